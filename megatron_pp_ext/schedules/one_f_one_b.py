@@ -1,0 +1,28 @@
+"""PipeDream-Flush (1F1B), in exactly the order Megatron-Core's
+``forward_backward_pipelining_without_interleaving`` executes it."""
+
+from __future__ import annotations
+
+from ..ir import Action, Schedule
+from ._common import check_sizes, loop_placement
+
+
+def build_1f1b(num_ranks: int, num_microbatches: int, chunks: int = 1, forward_only: bool = False,
+               **_options) -> Schedule:
+    """Rank r: warmup min(p-1-r, m) forwards, then steady F/B pairs, then cooldown backwards."""
+    check_sizes("1f1b", num_ranks, num_microbatches)
+    p, m = num_ranks, num_microbatches
+    actions = []
+    for rank in range(p):
+        if forward_only:
+            actions.append([Action(rank, "F", mb) for mb in range(m)])
+            continue
+        warmup = min(p - 1 - rank, m)
+        steady = m - warmup
+        row = [Action(rank, "F", mb) for mb in range(warmup)]
+        for i in range(steady):
+            row.append(Action(rank, "F", warmup + i))
+            row.append(Action(rank, "B", i))
+        row += [Action(rank, "B", steady + i) for i in range(warmup)]
+        actions.append(row)
+    return Schedule("1f1b", m, loop_placement(p, 1), actions, {"forward_only": forward_only})

@@ -1,0 +1,100 @@
+"""The Timeline: what ran where and when, predicted (simulator) or measured (tracer).
+
+Both the simulator and the runtime tracer produce this type, so "predicted versus
+measured" is one comparison and every renderer draws both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+COMPUTE, COMM_WAIT = "compute", "comm"
+
+
+@dataclass
+class Event:
+    rank: int
+    label: str  # the action's text form ("0F3"), or what a wait waited for
+    start: float
+    end: float
+    category: str = COMPUTE  # COMPUTE or COMM_WAIT
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+    @property
+    def kind(self) -> str:
+        """F/B/I/W for a compute event, '' for a wait."""
+        if self.category != COMPUTE:
+            return ""
+        return next((ch for ch in self.label if ch.isalpha()), "")
+
+
+@dataclass
+class Timeline:
+    schedule: str
+    num_ranks: int
+    num_microbatches: int
+    chunks: int
+    events: list[Event] = field(default_factory=list)
+    peak_activations: list[int] = field(default_factory=list)
+    source: str = "predicted"  # or "measured"
+    unit: str = "t"  # time unit of start/end ("t" for cost-model units, "s" for seconds)
+
+    def compute_events(self, rank: int | None = None) -> list[Event]:
+        return [
+            e for e in self.events if e.category == COMPUTE and (rank is None or e.rank == rank)
+        ]
+
+    @property
+    def start(self) -> float:
+        return min((e.start for e in self.events), default=0.0)
+
+    @property
+    def makespan(self) -> float:
+        return max((e.end for e in self.events), default=0.0) - self.start
+
+    def busy(self, rank: int) -> float:
+        return sum(e.duration for e in self.compute_events(rank))
+
+    def comm_wait(self, rank: int) -> float:
+        return sum(e.duration for e in self.events if e.rank == rank and e.category == COMM_WAIT)
+
+    def idle(self, rank: int) -> float:
+        """Time this rank computed nothing (waits on communication included)."""
+        return self.makespan - self.busy(rank)
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Idle time over (ranks x makespan)."""
+        if self.makespan <= 0 or self.num_ranks == 0:
+            return 0.0
+        idle = sum(self.idle(r) for r in range(self.num_ranks))
+        return idle / (self.num_ranks * self.makespan)
+
+    def per_rank_summary(self) -> list[dict]:
+        return [
+            {
+                "rank": r,
+                "busy": self.busy(r),
+                "comm_wait": self.comm_wait(r),
+                "idle": self.idle(r),
+                "peak_activations": (
+                    self.peak_activations[r] if r < len(self.peak_activations) else None
+                ),
+            }
+            for r in range(self.num_ranks)
+        ]
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data["makespan"] = self.makespan
+        data["bubble_fraction"] = self.bubble_fraction
+        return data
+
+    @staticmethod
+    def from_dict(data: dict) -> "Timeline":
+        fields = {k: v for k, v in data.items() if k not in ("makespan", "bubble_fraction")}
+        fields["events"] = [Event(**e) for e in data.get("events", [])]
+        return Timeline(**fields)
