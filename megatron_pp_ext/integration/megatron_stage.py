@@ -1,0 +1,201 @@
+"""The StageWork that computes with Megatron-Core: its own ``forward_step`` and
+``backward_step`` (they carry the loss-scaling contract, MoE/MTP auxiliary losses and the
+timers), ``deallocate_output_tensor``, and the grad-sync hooks in Megatron's order."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from megatron.core.pipeline_parallel.schedules import (
+    backward_step,
+    check_first_val_step,
+    deallocate_output_tensor,
+    forward_step,
+)
+
+from ..ir import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action, Schedule
+
+
+class GradSync:
+    """Megatron's no_sync / grad_sync_func / param_sync_func protocol, driven by actions.
+
+    One chunk: as ``forward_backward_pipelining_without_interleaving`` (grad sync enabled
+    before the last weight-gradient action when there is no grad_sync_func or this is the
+    first stage; the rest at the end). Several chunks: as the interleaved schedule (each
+    chunk's sync at its last weight-gradient action, no_sync re-entered after every one).
+    """
+
+    def __init__(self, config, model_chunks, schedule: Schedule, rank: int, forward_only: bool):
+        self.config, self.chunks, self.forward_only = config, model_chunks, forward_only
+        self.schedule, self.rank = schedule, rank
+        self.multi = len(model_chunks) > 1
+        no_sync = config.no_sync_func
+        if isinstance(no_sync, list):
+            funcs = no_sync
+
+            def no_sync():
+                stack = contextlib.ExitStack()
+                for func in funcs:
+                    stack.enter_context(func())
+                return stack
+
+        self.no_sync_func = no_sync or contextlib.nullcontext
+        self.context = None
+        self.grad_sync = None if forward_only else self._per_chunk(config.grad_sync_func)
+        self.param_sync = None if forward_only else self._per_chunk(config.param_sync_func)
+        self.synced: set[int] = set()
+        # the last action of each chunk that accumulates weight gradients
+        self.last_weight_action: dict[int, Action] = {}
+        for action in schedule.actions[rank]:
+            if action.kind not in (FORWARD, BACKWARD_INPUT):
+                self.last_weight_action[schedule.chunk_of(action.stage)] = action
+        self.first_forward_seen: set[int] = set()
+
+    def _per_chunk(self, func):
+        if func is None:
+            return None
+        return func if isinstance(func, list) else [func for _ in self.chunks]
+
+    def disable(self) -> None:
+        if self.context is None:
+            self.context = self.no_sync_func()
+            self.context.__enter__()
+
+    def enable(self) -> None:
+        if self.context is not None:
+            self.context.__exit__(None, None, None)
+            self.context = None
+
+    def start(self) -> None:
+        self.disable()
+        if self.multi and self.param_sync is not None:
+            for chunk in range(min(2, len(self.chunks))):  # Megatron syncs the first two up front
+                self.param_sync[chunk](self.chunks[chunk].parameters())
+                self.first_forward_seen.add(chunk)
+
+    def before(self, action: Action) -> None:
+        chunk = self.schedule.chunk_of(action.stage)
+        if action.kind == FORWARD:
+            if self.multi and self.param_sync is not None and chunk not in self.first_forward_seen:
+                self.first_forward_seen.add(chunk)
+                self.param_sync[chunk](self.chunks[chunk].parameters())
+            return
+        if self.last_weight_action.get(chunk) != action:
+            return
+        if not self.multi:
+            first_stage = action.stage == 0
+            if self.grad_sync is None or first_stage:
+                self.enable()
+        elif self.grad_sync is None:
+            self.enable()
+            self.synced.add(chunk)
+
+    def after(self, action: Action) -> None:
+        if not self.multi or action.kind in (FORWARD, BACKWARD_INPUT):
+            return
+        chunk = self.schedule.chunk_of(action.stage)
+        if self.grad_sync is not None and self.last_weight_action.get(chunk) == action:
+            self.enable()
+            self.grad_sync[chunk](self.chunks[chunk].parameters())
+            self.synced.add(chunk)
+        self.disable()
+
+    def finish(self) -> None:
+        if self.forward_only:
+            self.enable()
+            return
+        if not self.multi:
+            if self.context is not None:
+                self.enable()
+                if self.grad_sync is not None:
+                    self.grad_sync[0](self.chunks[0].parameters())
+            return
+        self.enable()
+        if self.grad_sync is not None:
+            for chunk, model in enumerate(self.chunks):
+                if chunk not in self.synced:
+                    self.grad_sync[chunk](model.parameters())
+
+
+class MegatronStageWork:
+    """Computes this rank's actions on its Megatron model chunks."""
+
+    def __init__(self, *, schedule: Schedule, rank: int, forward_step_func, data_iterators,
+                 model_chunks, num_microbatches: int, config, cp_size, collect_non_loss_data,
+                 first_val_step, forward_only: bool, token_device: torch.device,
+                 grad_sync: GradSync, weight_split=None):
+        self.schedule, self.rank = schedule, rank
+        self.forward_step_func, self.data_iterators = forward_step_func, data_iterators
+        self.chunks, self.num_microbatches, self.config = model_chunks, num_microbatches, config
+        self.cp_size, self.collect_non_loss_data = cp_size, collect_non_loss_data
+        self.first_val_step, self.forward_only = first_val_step, forward_only
+        self.grad_sync, self.weight_split = grad_sync, weight_split
+        self.forward_data_store: list = []
+        self.total_num_tokens = torch.zeros([], dtype=torch.int, device=token_device)
+        self.saved: dict[tuple, tuple] = {}  # (stage, mb) -> (input, output)
+        self.num_forwards = 0
+        self.max_outstanding = None
+        if config.num_microbatches_with_partial_activation_checkpoints is not None:
+            # Megatron's window: the forwards a rank runs before its first backward.
+            actions = schedule.actions[rank]
+            first_backward = next((i for i, a in enumerate(actions) if a.kind != FORWARD),
+                                  len(actions))
+            self.max_outstanding = max(1, sum(a.kind == FORWARD for a in actions[:first_backward]))
+
+    def _chunk(self, stage: int) -> int:
+        return self.schedule.chunk_of(stage)
+
+    def forward(self, action: Action, input_tensor):
+        self.grad_sync.before(action)
+        chunk, mb = self._chunk(action.stage), action.microbatch
+        checkpoint = None
+        if self.max_outstanding is not None:
+            checkpoint = (self.num_forwards % self.max_outstanding
+                          >= self.config.num_microbatches_with_partial_activation_checkpoints)
+        self.num_forwards += 1
+        output, num_tokens = forward_step(
+            self.forward_step_func,
+            self.data_iterators[chunk],
+            self.chunks[chunk],
+            self.num_microbatches,
+            input_tensor,
+            self.forward_data_store,
+            self.config,
+            cp_group_size=self.cp_size,
+            collect_non_loss_data=self.collect_non_loss_data,
+            checkpoint_activations_microbatch=checkpoint,
+            is_first_microbatch=check_first_val_step(self.first_val_step, self.forward_only,
+                                                     mb == 0),
+            current_microbatch=mb,
+            vp_stage=chunk if len(self.chunks) > 1 else None,
+            is_last_stage=action.stage == self.schedule.num_stages - 1,
+        )
+        self.total_num_tokens += num_tokens
+        if not self.forward_only:
+            self.saved[(action.stage, mb)] = (input_tensor, output)
+        return output
+
+    def backward(self, action: Action, output_grad):
+        self.grad_sync.before(action)
+        input_tensor, output = self.saved.pop((action.stage, action.microbatch))
+        if action.kind == BACKWARD_INPUT:
+            if self.weight_split is None:
+                raise ValueError(
+                    f"schedule {self.schedule.name!r} splits the backward into I and W, which "
+                    "needs the I/W split of megatron_pp_ext.runtime.wgrad (not enabled here)")
+            grad = self.weight_split.backward_input(action, input_tensor, output, output_grad,
+                                                    self.config)
+        else:
+            grad = backward_step(input_tensor, output, output_grad, self.config)
+        self.grad_sync.after(action)
+        return grad
+
+    def weight(self, action: Action) -> None:
+        assert action.kind == BACKWARD_WEIGHT
+        self.grad_sync.before(action)
+        self.weight_split.backward_weight(action)
+        self.grad_sync.after(action)
+
+    def deallocate(self, output) -> None:
+        deallocate_output_tensor(output, self.config.deallocate_pipeline_outputs)

@@ -1,0 +1,255 @@
+"""One executor for every schedule: runs one rank's action list.
+
+Communication is derived from the action list (the same rule the validator checks):
+an F on stage s receives from the rank of stage s-1 and sends to the rank of stage s+1;
+a B or I receives from the rank of stage s+1 and sends to the rank of stage s-1; W moves
+nothing. Stages on the same rank hand tensors over locally. The send after action i and
+the receive before action i+1 go out together as one call named as in Megatron
+(``send_forward_recv_backward``, ``send_backward_recv_forward``, ...).
+
+What an action computes is the ``StageWork``'s business (Megatron's forward_step /
+backward_step in production, toy stages in tests); the executor moves tensors, counts
+held activations, keeps a history for timeouts and, when asked, records a trace.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+import torch
+
+from ..ir import BACKWARD, BACKWARD_WEIGHT, FORWARD, Action, Schedule
+from ..timeline import COMM_WAIT, COMPUTE, Event
+from .errors import PipelineTimeoutError
+from .transport import RecvRequest, TransportTimeout
+
+ACTIVATION, GRADIENT = "forward", "backward"  # what a message carries, in Megatron's words
+
+
+class StageWork(Protocol):
+    def forward(self, action: Action, input_tensor): ...  # -> output tensor (None on the last stage)
+
+    def backward(self, action: Action, output_grad): ...  # B or I -> input gradient (None on stage 0)
+
+    def weight(self, action: Action) -> None: ...
+
+    def deallocate(self, output) -> None: ...  # the output has been sent: free its data
+
+
+@dataclass(frozen=True)
+class Message:
+    peer: int
+    carries: str  # ACTIVATION or GRADIENT
+    stage: int  # the stage that consumes it
+    microbatch: int
+
+
+@dataclass
+class CommPlan:
+    recv: Message | None  # what this action needs from another rank first
+    send: Message | None  # what it produces for another rank
+
+
+def comm_plan(schedule: Schedule, rank: int) -> list[CommPlan]:
+    last = schedule.num_stages - 1
+    plans = []
+    for action in schedule.actions[rank]:
+        s, mb = action.stage, action.microbatch
+        recv = send = None
+        if action.kind == FORWARD:
+            if s > 0 and schedule.rank_of(s - 1) != rank:
+                recv = Message(schedule.rank_of(s - 1), ACTIVATION, s, mb)
+            if s < last and schedule.rank_of(s + 1) != rank:
+                send = Message(schedule.rank_of(s + 1), ACTIVATION, s + 1, mb)
+        elif action.kind != BACKWARD_WEIGHT:
+            if s < last and schedule.rank_of(s + 1) != rank:
+                recv = Message(schedule.rank_of(s + 1), GRADIENT, s, mb)
+            if s > 0 and schedule.rank_of(s - 1) != rank:
+                send = Message(schedule.rank_of(s - 1), GRADIENT, s - 1, mb)
+        plans.append(CommPlan(recv, send))
+    return plans
+
+
+def call_name(send: Message | None, recv: Message | None) -> str:
+    """Megatron's name for a send and/or receive issued together."""
+    parts = []
+    if send is not None:
+        parts.append(f"send_{send.carries}")
+    if recv is not None:
+        parts.append(f"recv_{recv.carries}")
+    return "_".join(parts)
+
+
+@dataclass
+class StepResult:
+    executed: list[Action]
+    peak_activations: int
+    comm_calls: collections.Counter
+    events: list[Event] = field(default_factory=list)
+
+
+class Executor:
+    def __init__(self, schedule: Schedule, rank: int, transport, work: StageWork, *,
+                 recv_shape: tuple | None, dtype: torch.dtype, device: torch.device,
+                 timeout_s: float = 600.0, variable_shapes: bool = False,
+                 trace: bool = False, clock: Callable[[], float] = time.perf_counter):
+        self.schedule, self.rank, self.transport, self.work = schedule, rank, transport, work
+        self.recv_shape, self.dtype, self.device = recv_shape, dtype, device
+        self.timeout_s, self.variable_shapes = timeout_s, variable_shapes
+        self.trace, self.clock = trace, clock
+        self.actions = schedule.actions[rank]
+        self.plans = comm_plan(schedule, rank)
+        # Activations are held until a B, or a W, frees them; a forward-only list holds none.
+        self.frees_activations = any(a.kind != FORWARD for a in self.actions)
+
+    def run(self) -> StepResult:
+        history = collections.deque(maxlen=32)
+        calls = collections.Counter()
+        events: list[Event] = []
+        local: dict[tuple, object] = {}  # tensors handed between stages of this rank
+        unsent: list[tuple] = []  # (send handle, output) until the send is done
+        held = peak = 0
+        n = len(self.actions)
+        pending = self._post(None, None, self.plans[0].recv if n else None, calls)[1]
+
+        for i, action in enumerate(self.actions):
+            plan = self.plans[i]
+            # ---- inputs
+            if plan.recv is not None:
+                received = self._wait(pending, plan.recv, action, history, events)
+                if plan.recv.carries == ACTIVATION and received.is_floating_point():
+                    received.requires_grad_(True)
+                incoming = received
+            else:
+                incoming = local.pop(self._local_key(action), None)
+            if action.kind != FORWARD:
+                # Megatron's backward wants the sent output already deallocated.
+                unsent = self._settle_output_of(action, unsent, history)
+            # ---- compute
+            start = self.clock() if self.trace else 0.0
+            produced = None
+            if action.kind == FORWARD:
+                produced = self.work.forward(action, incoming)
+                if self.frees_activations:
+                    held += 1
+                    peak = max(peak, held)
+            elif action.kind == BACKWARD_WEIGHT:
+                self.work.weight(action)
+                held -= 1
+            else:
+                produced = self.work.backward(action, incoming)
+                if action.kind == BACKWARD:
+                    held -= 1
+            if self.trace:
+                events.append(Event(self.rank, str(action), start, self.clock(), COMPUTE))
+            history.append(str(action))
+            # ---- outputs: local handoff, or one call that also posts the next receive
+            if plan.send is None and produced is not None:
+                self._hand_over(action, produced, local)
+            next_recv = self.plans[i + 1].recv if i + 1 < n else None
+            send = (produced, plan.send.peer) if plan.send is not None else None
+            if send is not None:
+                self._check_outgoing(produced, plan.send, action)
+            handle, pending = self._post(send, plan.send, next_recv, calls)
+            if handle is not None:
+                unsent.append((handle, produced, plan.send))
+            unsent = self._reap(unsent)
+
+        for handle, output, message in unsent:
+            self._finish_send(handle, message, history)
+            self._release(output, message)
+        if local:
+            raise RuntimeError(f"rank {self.rank}: tensors handed over locally were never "
+                               f"consumed: {sorted(local)} (the schedule lacks their consumers)")
+        return StepResult(list(self.actions), peak, calls, events)
+
+    # ------------------------------------------------------------------ helpers
+    def _local_key(self, action: Action):
+        kind = ACTIVATION if action.kind == FORWARD else GRADIENT
+        return (kind, action.stage, action.microbatch)
+
+    def _hand_over(self, action: Action, produced, local: dict) -> None:
+        """A tensor for a stage on this same rank: detach it so each stage has its own graph."""
+        last = self.schedule.num_stages - 1
+        if action.kind == FORWARD and action.stage < last:
+            local[(ACTIVATION, action.stage + 1, action.microbatch)] = (
+                produced.detach().requires_grad_(produced.is_floating_point()))
+            self.work.deallocate(produced)
+        elif action.kind != FORWARD and action.stage > 0:
+            local[(GRADIENT, action.stage - 1, action.microbatch)] = produced
+
+    def _check_outgoing(self, tensor, message: Message, action: Action) -> None:
+        if self.variable_shapes or self.recv_shape is None:
+            return
+        if tuple(tensor.shape) != tuple(self.recv_shape) or tensor.dtype != self.dtype:
+            raise ValueError(
+                f"rank {self.rank}: {action} produced a tensor of shape {tuple(tensor.shape)} "
+                f"and dtype {tensor.dtype}, but rank {message.peer} expects "
+                f"{tuple(self.recv_shape)} and {self.dtype} (seq_length x micro_batch_size x "
+                "hidden_size, config.pipeline_dtype); pass the right seq_length, or set "
+                "config.variable_seq_lengths=True when microbatches differ in length"
+            )
+
+    def _post(self, send, send_message: Message | None, recv: Message | None, calls):
+        if send is None and recv is None:
+            return None, None
+        calls[call_name(send_message if send is not None else None, recv)] += 1
+        request = None
+        if recv is not None:
+            request = RecvRequest(recv.peer, self.recv_shape, self.dtype, self.device)
+        return self.transport.exchange(send, request, self.variable_shapes)
+
+    def _wait(self, handle, message: Message, action: Action, history, events) -> torch.Tensor:
+        start = self.clock()
+        try:
+            tensor = handle.wait(self.timeout_s)
+        except TransportTimeout:
+            raise PipelineTimeoutError(
+                self.rank, message.peer,
+                f"{action} (microbatch {message.microbatch}) waiting for its {message.carries} "
+                f"tensor from rank {message.peer}", self.clock() - start, list(history),
+            ) from None
+        if self.trace:
+            events.append(Event(self.rank, f"wait {action}<-rank {message.peer}", start,
+                                self.clock(), COMM_WAIT))
+        return tensor
+
+    def _settle_output_of(self, action: Action, unsent: list, history) -> list:
+        still = []
+        for handle, output, message in unsent:
+            if (message.carries == ACTIVATION and message.microbatch == action.microbatch
+                    and message.stage == action.stage + 1):
+                self._finish_send(handle, message, history)
+                self.work.deallocate(output)
+            else:
+                still.append((handle, output, message))
+        return still
+
+    def _reap(self, unsent: list) -> list:
+        """Free outputs whose sends completed (Megatron's deallocate_output_tensor)."""
+        still = []
+        for handle, output, message in unsent:
+            if handle.done():
+                handle.wait(self.timeout_s, self.transport.poll)
+                self._release(output, message)
+            else:
+                still.append((handle, output, message))
+        return still
+
+    def _release(self, output, message: Message) -> None:
+        # Only sent activations are freed (Megatron's deallocate_output_tensor); a gradient
+        # is the autograd result itself.
+        if message.carries == ACTIVATION:
+            self.work.deallocate(output)
+
+    def _finish_send(self, handle, message: Message, history) -> None:
+        try:
+            handle.wait(self.timeout_s, self.transport.poll)
+        except TransportTimeout:
+            raise PipelineTimeoutError(
+                self.rank, message.peer,
+                f"the send of the {message.carries} tensor of microbatch {message.microbatch} "
+                f"for stage {message.stage}", self.timeout_s, list(history)) from None

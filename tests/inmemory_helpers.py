@@ -1,0 +1,74 @@
+"""Run a schedule on the in-memory transport with the emulated (toy autograd) stages."""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_pp_ext.emulated import (
+    EmulatedCosts,
+    EmulatedStageWork,
+    microbatch_inputs,
+    stage_weights,
+)
+from megatron_pp_ext.runtime.executor import Executor
+from megatron_pp_ext.runtime.inmemory import run_ranks_in_threads
+
+WIDTH, ROWS = 6, 3
+
+
+class RecordingWork(EmulatedStageWork):
+    """Emulated stages that also record the order in which actions were really computed."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.computed: list[str] = []
+
+    def forward(self, action, input_tensor):
+        self.computed.append(str(action))
+        return super().forward(action, input_tensor)
+
+    def backward(self, action, output_grad):
+        self.computed.append(str(action))
+        return super().backward(action, output_grad)
+
+    def weight(self, action):
+        self.computed.append(str(action))
+        return super().weight(action)
+
+
+def run_inmemory(schedule, delays=None, costs: EmulatedCosts | None = None, timeout_s=20.0,
+                 trace=False):
+    """Returns per rank: (StepResult, RecordingWork)."""
+    weights = stage_weights(schedule.num_stages, WIDTH)
+    inputs = microbatch_inputs(schedule.num_microbatches, ROWS, WIDTH)
+
+    def rank_fn(rank, transport):
+        delay = delays[rank] if delays else 0.0
+        work = RecordingWork(schedule, rank, weights, inputs, costs=costs, delay=delay)
+        executor = Executor(schedule, rank, transport, work, recv_shape=(ROWS, WIDTH),
+                            dtype=torch.float64, device=torch.device("cpu"),
+                            timeout_s=timeout_s, trace=trace)
+        return executor.run(), work
+
+    return run_ranks_in_threads(schedule.num_ranks, rank_fn, timeout_s=timeout_s + 10)
+
+
+def reference_gradients(num_stages: int, num_microbatches: int):
+    """The unpipelined run (pp = 1): every stage in sequence, same weights and data."""
+    weights = [w.clone().requires_grad_(True) for w in stage_weights(num_stages, WIDTH)]
+    losses = []
+    for x in microbatch_inputs(num_microbatches, ROWS, WIDTH):
+        for w in weights:
+            x = torch.tanh(x @ w)
+        loss = x.sum() / num_microbatches
+        loss.backward()
+        losses.append(float(loss.detach()))
+    return {s: w.grad for s, w in enumerate(weights)}, losses
+
+
+def gathered(results):
+    grads, losses = {}, {}
+    for _result, work in results:
+        grads.update(work.gradients())
+        losses.update(work.losses)
+    return grads, losses
