@@ -167,3 +167,19 @@ def forward_backward_pipelining(
     STATE.last_step, STATE.last_schedule = result, schedule
     STATE.steps_run += 1
     return work.forward_data_store if last_stage_here else []
+
+
+class ScheduleFunction:
+    """A ``forward_backward_func`` bound to given options (picklable: usable as a spawn
+    target's argument, and for running schedules side by side without install())."""
+
+    def __init__(self, schedule: str = "1f1b", **options):
+        self.options = PipelineOptions.from_kwargs(schedule, **options)
+
+    def __call__(self, **kwargs):
+        if STATE.options != self.options:
+            STATE.options, STATE.steps_run = self.options, 0
+        return forward_backward_pipelining(**kwargs)
+
+    def __repr__(self) -> str:
+        return f"ScheduleFunction({self.options.schedule!r})"

@@ -194,7 +194,7 @@ class MegatronStageWork:
     def weight(self, action: Action) -> None:
         assert action.kind == BACKWARD_WEIGHT
         self.grad_sync.before(action)
-        self.weight_split.backward_weight(action)
+        self.weight_split.backward_weight(action, self._chunk(action.stage))
         self.grad_sync.after(action)
 
     def deallocate(self, output) -> None:

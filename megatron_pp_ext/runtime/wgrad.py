@@ -1,8 +1,152 @@
-"""The I/W split of the backward (placeholder until it lands)."""
+"""The I/W split of the backward for Megatron-Core models.
+
+I runs Megatron's own ``backward_step`` while Megatron's linear layers (ColumnParallelLinear,
+RowParallelLinear: everything built on ``LinearWithGradAccumulationAndAsyncCommunication``)
+compute only their input gradient and queue their weight-gradient GEMM, keyed by the action's
+(stage, microbatch). W pops that queue, runs the GEMMs and hands each result to the weight
+through autograd (a view of the weight), so the weight's AccumulateGrad node and the hooks
+on it - Megatron DDP's grad-ready / ``main_grad`` hook - fire exactly once per microbatch,
+as in a full backward.
+
+Parameters of other modules (layer norms, embeddings, biases, foreign layers) get their
+gradients in I, as part of the full backward of those modules: correct, only not deferred;
+a one-line warning names the module types affected. Transformer Engine layers built with
+``config.delay_wgrad_compute`` defer their own wgrad; W calls their ``backward_dw()`` (GPU
+only, import-guarded).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import inspect
+import threading
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from ..ir import Action
+
+_capture = threading.local()  # .queue: the list the running I appends its W tasks to
+_patch_lock = threading.Lock()
+_original_backward = None
+
+
+@dataclass
+class WeightGradTask:
+    weight: torch.Tensor
+    total_input: torch.Tensor
+    grad_output: torch.Tensor
+    fused_into_main_grad: bool
+
+    def run(self) -> None:
+        grad_output = self.grad_output.reshape(-1, self.grad_output.shape[-1])
+        total_input = self.total_input.reshape(-1, self.total_input.shape[-1])
+        grad_weight = grad_output.t().matmul(total_input)
+        if self.fused_into_main_grad and hasattr(self.weight, "main_grad"):
+            # Megatron's gradient-accumulation fusion: accumulate into main_grad ourselves and
+            # let DDP's hook see a grad it must not add again.
+            self.weight.main_grad.add_(grad_weight.to(self.weight.main_grad.dtype))
+            self.weight.grad_added_to_main_grad = True
+            grad_weight = torch.zeros_like(self.weight)
+        torch.autograd.backward(self.weight.view_as(self.weight), grad_tensors=grad_weight)
+
+
+def _linear_function():
+    from megatron.core.tensor_parallel.layers import LinearWithGradAccumulationAndAsyncCommunication
+
+    return LinearWithGradAccumulationAndAsyncCommunication
+
+
+def _deferring_backward(ctx, grad_output):
+    """Input gradient now, weight-gradient GEMM queued; the original where we cannot split."""
+    queue = getattr(_capture, "queue", None)
+    splittable = (queue is not None and not ctx.sequence_parallel
+                  and getattr(ctx, "gtp_remat_size", 1) <= 1 and ctx.grad_output_buffer is None)
+    if not splittable:
+        return _original_backward(ctx, grad_output)
+    input_tensor, weight = ctx.saved_tensors
+    grad_input = grad_output.matmul(weight)
+    if ctx.allreduce_dgrad:
+        torch.distributed.all_reduce(grad_input, group=ctx.tp_group)
+    grad_bias = None
+    if ctx.use_bias:  # summed over the flattened tokens, as Megatron does
+        grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(dim=0)
+    queue.append(WeightGradTask(weight, input_tensor, grad_output,
+                                bool(ctx.gradient_accumulation_fusion)))
+    return (grad_input, None, grad_bias) + (None,) * (_num_forward_inputs() - 3)
+
+
+def _num_forward_inputs() -> int:
+    return len(inspect.signature(_linear_function().forward).parameters) - 1  # minus ctx
+
+
+def _patch_linear_backward() -> None:
+    global _original_backward
+    with _patch_lock:
+        if _original_backward is not None:
+            return
+        function = _linear_function()
+        _original_backward = function.backward
+        function.backward = staticmethod(_deferring_backward)
+
+
+def _te_delayed_modules(model_chunk) -> list:
+    """Transformer Engine modules that defer their own wgrad (GPU only)."""
+    return [m for m in model_chunk.modules()
+            if hasattr(m, "backward_dw") and getattr(getattr(m, "config", None),
+                                                     "delay_wgrad_compute", False)]
 
 
 class WeightGradSplit:
-    def __init__(self, model_chunks):
-        raise ValueError(
-            "this schedule splits the backward into I (input gradient) and W (weight gradient), "
-            "which needs the I/W split; it is not available yet: use gpipe, 1f1b or interleaved")
+    """Per-rank queue of deferred weight gradients, keyed by (stage, microbatch)."""
+
+    def __init__(self, model_chunks, stage_of_chunk=None):
+        _patch_linear_backward()
+        self.pending: dict[tuple, list[WeightGradTask]] = collections.defaultdict(list)
+        self.te_modules = [_te_delayed_modules(chunk) for chunk in model_chunks]
+        self._warn_undeferred(model_chunks)
+
+    @staticmethod
+    def _warn_undeferred(model_chunks) -> None:
+        from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+        deferred = (ColumnParallelLinear, RowParallelLinear)
+        foreign = set()
+        for chunk in model_chunks:
+            for module in chunk.modules():
+                own = [p for p in module.parameters(recurse=False) if p.requires_grad]
+                if own and not isinstance(module, deferred) and not hasattr(module, "backward_dw"):
+                    foreign.add(type(module).__name__)
+        if foreign:
+            warnings.warn(
+                "megatron_pp_ext: I/W split: weight gradients of "
+                f"{', '.join(sorted(foreign))} are computed in I (full backward), not deferred "
+                "to W", stacklevel=3)
+
+    @contextlib.contextmanager
+    def capturing(self, action: Action):
+        queue = self.pending[(action.stage, action.microbatch)]
+        _capture.queue = queue
+        try:
+            yield
+        finally:
+            _capture.queue = None
+
+    def backward_input(self, action: Action, input_tensor, output, output_grad, config):
+        from megatron.core.pipeline_parallel.schedules import backward_step
+
+        with self.capturing(action):
+            return backward_step(input_tensor, output, output_grad, config)
+
+    def backward_weight(self, action: Action, chunk: int | None = None) -> None:
+        for task in self.pending.pop((action.stage, action.microbatch), []):
+            task.run()
+        if chunk is not None:
+            for module in self.te_modules[chunk]:
+                module.backward_dw()
+
+    def assert_drained(self) -> None:
+        left = sorted(key for key, tasks in self.pending.items() if tasks)
+        assert not left, f"W queue not empty at the end of the step: (stage, microbatch) {left}"
