@@ -65,21 +65,34 @@ class Timeline:
         """Time this rank computed nothing (waits on communication included)."""
         return self.makespan - self.busy(rank)
 
+    def _totals_by_rank(self) -> tuple[float, list[float], list[float]]:
+        """(makespan, busy per rank, comm wait per rank) in one pass over the events."""
+        busy = [0.0] * self.num_ranks
+        wait = [0.0] * self.num_ranks
+        for e in self.events:
+            if 0 <= e.rank < self.num_ranks and e.category == COMPUTE:
+                busy[e.rank] += e.duration
+            elif 0 <= e.rank < self.num_ranks and e.category == COMM_WAIT:
+                wait[e.rank] += e.duration
+        return self.makespan, busy, wait
+
     @property
     def bubble_fraction(self) -> float:
         """Idle time over (ranks x makespan)."""
-        if self.makespan <= 0 or self.num_ranks == 0:
+        makespan, busy, _ = self._totals_by_rank()
+        if makespan <= 0 or self.num_ranks == 0:
             return 0.0
-        idle = sum(self.idle(r) for r in range(self.num_ranks))
-        return idle / (self.num_ranks * self.makespan)
+        idle = sum(makespan - b for b in busy)
+        return idle / (self.num_ranks * makespan)
 
     def per_rank_summary(self) -> list[dict]:
+        makespan, busy, wait = self._totals_by_rank()
         return [
             {
                 "rank": r,
-                "busy": self.busy(r),
-                "comm_wait": self.comm_wait(r),
-                "idle": self.idle(r),
+                "busy": busy[r],
+                "comm_wait": wait[r],
+                "idle": makespan - busy[r],
                 "peak_activations": (
                     self.peak_activations[r] if r < len(self.peak_activations) else None
                 ),

@@ -1,0 +1,175 @@
+"""The cost-model simulator against the published bubble formulas and hand-worked timelines."""
+
+import csv
+import io
+import time
+from fractions import Fraction
+from pathlib import Path
+
+import pytest
+
+from megatron_pp_ext.analysis.simulate import CostModel, simulate
+from megatron_pp_ext.ir import Action, Schedule, ScheduleError
+from megatron_pp_ext.schedules import build_schedule
+from megatron_pp_ext.timeline import COMM_WAIT
+
+PEER_CSV = Path(__file__).parent / "data" / "torch_zb1p_2rank_2stagep_compute.csv"
+EQUAL = CostModel(t_f=1, t_b=1)  # t_F = t_B: the papers' tables
+
+
+def spans(timeline, rank, category=None):
+    """[(label, start, end)] of one rank, in time order."""
+    return [
+        (e.label, e.start, e.end)
+        for e in timeline.events
+        if e.rank == rank and (category is None or e.category == category)
+    ]
+
+
+# ---------------------------------------------------------------- published numbers
+@pytest.mark.parametrize("name,peaks", [("1f1b", [4, 3, 2, 1]), ("gpipe", [8, 8, 8, 8])])
+def test_1f1b_and_gpipe_bubble_and_peaks_p4_m8(name, peaks):
+    p, m = 4, 8
+    timeline = simulate(build_schedule(name, p, m), EQUAL)
+    assert timeline.makespan == 2 * (m + p - 1) == 22
+    assert timeline.bubble_fraction == (p - 1) / (m + p - 1)  # exactly 3/11
+    assert timeline.peak_activations == peaks
+    assert [timeline.busy(r) for r in range(p)] == [16.0] * 4
+
+
+@pytest.mark.parametrize("p,m", [(2, 5), (3, 7), (8, 16), (5, 2)])
+def test_1f1b_bubble_formula_for_any_f_b_ratio(p, m):
+    timeline = simulate(build_schedule("1f1b", p, m), CostModel(t_f=1, t_b=2))
+    assert timeline.makespan == 3 * (m + p - 1)
+    assert timeline.bubble_fraction == pytest.approx((p - 1) / (m + p - 1), abs=1e-12)
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 16), (8, 16)])
+@pytest.mark.parametrize("v", [2, 3])
+def test_interleaved_bubble(p, m, v):
+    """Measured: with equal per-chunk costs and m a multiple of p the bubble fraction is exactly
+    (p-1)/(v*m + p-1), and the idle time is 1F1B's divided by v. For p=4, m=8, v=2 that is
+    3/19 = 0.158 against 1F1B's 3/11 = 0.273: a ratio of 11/19 = 0.58, which tends to the
+    "about 1/2" (1/v) as m grows, since the fractions' denominators carry the p-1 term."""
+    chunk = CostModel(t_f=1 / v, t_b=1 / v)  # a model cut into p*v equal stages
+    interleaved = simulate(build_schedule("interleaved", p, m, v), chunk)
+    plain = simulate(build_schedule("1f1b", p, m), EQUAL)
+    assert interleaved.bubble_fraction == pytest.approx((p - 1) / (v * m + p - 1), abs=1e-12)
+    for rank in range(p):
+        assert interleaved.idle(rank) == pytest.approx(plain.idle(rank) / v, abs=1e-9)
+    ratio = interleaved.bubble_fraction / plain.bubble_fraction
+    assert ratio == pytest.approx((m + p - 1) / (v * m + p - 1), abs=1e-12)
+
+
+def test_interleaved_p4_m8_is_about_half_of_1f1b():
+    interleaved = simulate(build_schedule("interleaved", 4, 8, 2), EQUAL)
+    plain = simulate(build_schedule("1f1b", 4, 8), EQUAL)
+    assert interleaved.bubble_fraction == pytest.approx(3 / 19, abs=1e-12)
+    assert float(Fraction(11, 19)) == pytest.approx(interleaved.bubble_fraction / plain.bubble_fraction)
+    assert interleaved.peak_activations == [11, 9, 7, 5]  # chunk activations, 1/2 the size each
+
+
+# ---------------------------------------------------------------- hand-worked timelines
+def test_1f1b_p2_m2_every_event():
+    timeline = simulate(build_schedule("1f1b", 2, 2), CostModel(t_f=1, t_b=2))
+    assert spans(timeline, 0) == [
+        ("0F0", 0, 1), ("0F1", 1, 2), ("wait 0B0<-rank 1", 2, 4), ("0B0", 4, 6),
+        ("wait 0B1<-rank 1", 6, 7), ("0B1", 7, 9),
+    ]
+    assert spans(timeline, 1) == [
+        ("wait 1F0<-rank 0", 0, 1), ("1F0", 1, 2), ("1B0", 2, 4), ("1F1", 4, 5), ("1B1", 5, 7),
+    ]
+    assert timeline.makespan == 9
+    assert timeline.bubble_fraction == pytest.approx(1 / 3)
+    assert timeline.comm_wait(0) == 3 and timeline.comm_wait(1) == 1
+
+
+def test_comm_time_delays_remote_inputs_only():
+    timeline = simulate(build_schedule("1f1b", 2, 1), CostModel(t_f=1, t_comm=0.5))
+    assert spans(timeline, 0) == [("0F0", 0, 1), ("wait 0B0<-rank 1", 1, 5), ("0B0", 5, 7)]
+    assert spans(timeline, 1) == [("wait 1F0<-rank 0", 0, 1.5), ("1F0", 1.5, 2.5),
+                                  ("1B0", 2.5, 4.5)]
+    assert timeline.makespan == 7
+    # same-rank handoff (p=1, two chunks) is free: no wait, no delay
+    local = simulate(build_schedule("interleaved", 1, 1, 2), CostModel(t_comm=5))
+    assert spans(local, 0) == [("0F0", 0, 1), ("1F0", 1, 2), ("1B0", 2, 4), ("0B0", 4, 6)]
+
+
+def test_per_stage_and_per_rank_costs():
+    timeline = simulate(build_schedule("1f1b", 2, 1), CostModel(t_f=[1, 3], t_b=[2, 1]))
+    assert spans(timeline, 1, "compute") == [("1F0", 1, 4), ("1B0", 4, 5)]
+    assert spans(timeline, 0, "compute") == [("0F0", 0, 1), ("0B0", 5, 7)]
+    interleaved = build_schedule("interleaved", 2, 2, 2)
+    per_rank = CostModel(t_f=[1, 2], t_i=0.5, t_w=[1, 1, 2, 2]).per_stage(interleaved)
+    assert per_rank["t_f"] == [1, 2, 1, 2]  # stages 0, 2 on rank 0; 1, 3 on rank 1
+    assert per_rank["t_b"] == [1.5, 1.5, 2.5, 2.5]  # t_i + t_w
+
+
+def test_cost_model_rejects_bad_values():
+    schedule = build_schedule("interleaved", 2, 2, 2)
+    with pytest.raises(ValueError, match=r"t_f has 3 values: give one number, one per stage \(4\) "
+                                         r"or one per rank \(2\)"):
+        simulate(schedule, CostModel(t_f=[1, 2, 3]))
+    with pytest.raises(ValueError, match=r"t_w=-1: costs must be >= 0"):
+        simulate(schedule, CostModel(t_w=-1))
+
+
+def test_default_costs():
+    costs = CostModel().per_stage(build_schedule("1f1b", 3, 2))
+    assert costs == {"t_f": [1.0] * 3, "t_i": [1.0] * 3, "t_w": [1.0] * 3, "t_comm": [0.0] * 3,
+                     "t_b": [2.0] * 3}
+
+
+def test_one_compute_event_per_action():
+    schedule = build_schedule("interleaved", 4, 8, 2)
+    timeline = simulate(schedule)
+    assert sorted(e.label for e in timeline.compute_events()) == sorted(
+        t for row in schedule.text() for t in row
+    )
+    assert all(e.label.startswith("wait ") for e in timeline.events if e.category == COMM_WAIT)
+    assert (timeline.source, timeline.unit, timeline.chunks) == ("predicted", "t", 2)
+    for rank in range(4):  # a rank runs its list in order, one action at a time
+        compute = timeline.compute_events(rank)
+        assert [e.label for e in compute] == schedule.text()[rank]
+        assert all(a.end <= b.start for a, b in zip(compute, compute[1:]))
+
+
+# ---------------------------------------------------------------- loaded and invalid schedules
+def test_peer_csv_simulates_to_its_own_grid():
+    """With unit costs each action of PyTorch's ZB1P file starts at its own CSV column, but for
+    one: the file leaves rank 0 idle at column 3 and runs 2F1 at column 4, while the simulator
+    starts every action as soon as it can, so 2F1 runs at 3 (its input, 1F1, ends at 3) and
+    the idle slot moves behind it (2I0 waits for 3I0, which ends at 5, either way)."""
+    text = PEER_CSV.read_text()
+    schedule = Schedule.from_csv(text)
+    timeline = simulate(schedule, CostModel(t_f=1, t_i=1, t_w=1), channels="kind")
+    for rank, row in enumerate(csv.reader(io.StringIO(text))):
+        starts = {e.label: e.start for e in timeline.compute_events(rank)}
+        for column, cell in enumerate(row):
+            if cell:
+                action = Action.parse(cell)
+                if action.kind == "B":  # the legacy file's input-gradient half
+                    action = Action(action.stage, "I", action.microbatch)
+                expected = 3 if (rank, cell) == (0, "2F1") else column
+                assert starts[str(action)] == expected, (rank, cell)
+    assert timeline.makespan == 49
+    assert timeline.peak_activations == [4, 4]
+
+
+def test_invalid_schedules_raise_not_hang():
+    deadlocked = Schedule("hand", 2, (0, 1), [
+        [Action.parse(t) for t in "0F0 0B0 0F1 0B1".split()],
+        [Action.parse(t) for t in "1F0 1F1 1B0 1B1".split()],
+    ])
+    with pytest.raises(ScheduleError, match="deadlock between ranks 0 -> 1 -> 0"):
+        simulate(deadlocked)
+    with pytest.raises(ScheduleError, match="deadlock between ranks 0 -> 1 -> 0"):
+        simulate(deadlocked, validate=False)
+
+
+def test_simulation_is_linear():
+    schedule = build_schedule("interleaved", 32, 256, 2, validate=False)
+    start = time.perf_counter()
+    timeline = simulate(schedule, validate=False)
+    timeline.bubble_fraction
+    assert time.perf_counter() - start < 3.0  # ~0.2 s here; quadratic would take minutes
