@@ -78,7 +78,8 @@ def test_every_builder_validates(name):
                     # a combination the builder does not allow: the message says which values
                     message = str(exc)
                     assert name in message, message
-                    assert any(f"{k}={x}" in message for k, x in (("p", p), ("m", m), ("v", v))), message
+                    named = (f"p={p}", f"m={m}", f"v={v}")
+                    assert any(value in message for value in named), message
                     continue
                 assert schedule.num_ranks == p and schedule.num_microbatches == m
                 validate_schedule(schedule)

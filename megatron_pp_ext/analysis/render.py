@@ -173,7 +173,8 @@ def _timeline_section(timeline: Timeline, index: int) -> str:
         )
         if e.category != COMM_WAIT and w >= 7 * len(e.label):
             svg.append(
-                f'<text x="{x + 2:.2f}" y="{y + _LANE - 7}" fill="#fff">{html.escape(e.label)}</text>'
+                f'<text x="{x + 2:.2f}" y="{y + _LANE - 7}" fill="#fff">'
+                f"{html.escape(e.label)}</text>"
             )
     step = _nice_step(makespan / 10)
     ticks_y = timeline.num_ranks * (_LANE + _GAP) + 12

@@ -212,7 +212,8 @@ def check_message_order(schedule: Schedule, channels: str = "pair") -> None:
 def _window(messages: list, index: int, before: int = 2, after: int = 3) -> str:
     lo, hi = max(0, index - before), min(len(messages), index + after)
     items = [format_message(m) for m in messages[lo:hi]]
-    return "[" + ("..., " if lo else "") + ", ".join(items) + (", ..." if hi < len(messages) else "") + "]"
+    head, tail = ("..., " if lo else ""), (", ..." if hi < len(messages) else "")
+    return "[" + head + ", ".join(items) + tail + "]"
 
 
 # ---------------------------------------------------------------- 4. deadlock
