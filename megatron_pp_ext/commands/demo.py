@@ -36,7 +36,7 @@ def run(args) -> int:
             # a builder still being written is a note; anything else is a failure
             failed |= "not built yet" not in note
             print(f"{name}: {note}\n")
-            rows.append((name, note, ""))
+            rows.append((name, note if len(note) <= 60 else note[:57] + "...", ""))
             continue
         timeline = simulate(schedule, CostModel(t_f=1 / v, t_i=1 / v, t_w=1 / v), validate=False)
         print(render_ascii(timeline) + "\n")
