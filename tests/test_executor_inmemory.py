@@ -82,11 +82,25 @@ def test_split_schedules_need_the_split_or_run():
 
 def test_a_silent_peer_times_out_naming_rank_peer_and_action():
     schedule = build_schedule("1f1b", 2, 2)
-    # Rank 1 runs a schedule for a different m: it never sends microbatch 1's gradient.
-    short = build_schedule("1f1b", 2, 1)
-    schedule.actions[1] = short.actions[1]
+    # Rank 1 hangs (each of its actions takes 3 s); rank 0 gives up after 0.5 s.
     with pytest.raises(PipelineTimeoutError) as info:
-        run_inmemory(schedule, timeout_s=0.5)
+        run_inmemory(schedule, delays=[0.0, 3.0], timeout_s=0.5)
     message = str(info.value)
-    assert "pipeline rank 0" in message and "for rank 1" in message
-    assert "0B1" in message or "0F" in message
+    assert message.startswith("pipeline rank 0 waited")
+    assert "for rank 1" in message
+    assert "pending 0B0 (microbatch 0) waiting for the backward tensor of microbatch 0" in message
+    assert "Last actions of rank 0: 0F0 0F1" in message
+
+
+def test_ranks_receive_in_the_senders_order():
+    """Two ranks that disagree on the order of their messages still get the right tensors."""
+    from megatron_pp_ext.ir import Schedule
+
+    text = "0F0,0F1,2F0,2F1,2B0,0F2,2B1,0F3,0B0,2F2,0B1,2F3,2B2,2B3,0B2,0B3\n" \
+           "1F0,1F1,3F0,3B0,3F1,3B1,1F2,1B0,1F3,1B1,3F2,3B2,3F3,3B3,1B2,1B3\n"
+    schedule = Schedule.from_csv(text)
+    results = run_inmemory(schedule)
+    grads, _ = gathered(results)
+    ref_grads, _ = reference_gradients(4, 4)
+    for stage, grad in ref_grads.items():
+        torch.testing.assert_close(grads[stage], grad, rtol=1e-12, atol=1e-12)

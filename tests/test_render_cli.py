@@ -163,10 +163,10 @@ def test_cli_simulate_loads_csv_and_json(tmp_path):
         assert data["actions"] == schedule.text() and data["peak_activations"] == [3, 2, 1]
 
 
-def test_cli_peer_csv_needs_channels_per_kind():
-    assert_one_line_error(cli("simulate", "--csv", str(PEER_CSV)),
+def test_cli_peer_csv_simulates_and_fails_pair_matching():
+    assert_one_line_error(cli("simulate", "--csv", str(PEER_CSV), "--channels", "pair"),
                           "ranks 0 and 1 disagree on the order of their messages")
-    out = cli("simulate", "--csv", str(PEER_CSV), "--channels", "kind", check_rc=0).stdout
+    out = cli("simulate", "--csv", str(PEER_CSV), check_rc=0).stdout
     assert out.splitlines()[-1] == "makespan=49 bubble=2.04% peak activations per rank: [4, 4]"
 
 

@@ -178,7 +178,8 @@ def test_backward_before_the_backward_it_needs_on_the_same_rank():
 # ---------------------------------------------------------------- message order
 def test_peer_order_mismatch_names_both_ranks_and_orders():
     schedule = make(["0F0 0F1 0B0 0B1", "1F1 1B1 1F0 1B0"])
-    message = rejects(
+    validate_schedule(schedule)  # our executor receives in the sender's order
+    message = rejects_pair(
         schedule, "ranks 0 and 1 disagree", "rank 0 sends to rank 1 [act 0->1 mb0, act 0->1 mb1]",
         "rank 1 receives from rank 0 [act 0->1 mb1, act 0->1 mb0]",
     )
@@ -194,15 +195,24 @@ def test_peer_order_checks_both_kinds_on_one_channel():
     assert sends == receives
 
 
-def test_peer_csv_needs_separate_channels_per_kind():
+def rejects_pair(schedule, *fragments):
+    with pytest.raises(ScheduleError) as info:
+        validate_schedule(schedule, channels="pair")
+    for fragment in fragments:
+        assert fragment in str(info.value)
+    return str(info.value)
+
+
+def test_peer_csv_validates_but_needs_separate_channels_per_kind_under_pair_matching():
     from pathlib import Path
 
     csv = (Path(__file__).parent / "data" / "torch_zb1p_2rank_2stagep_compute.csv").read_text()
     schedule = Schedule.from_csv(csv)
-    rejects(schedule, "ranks 0 and 1 disagree on the order of their messages",
+    validate_schedule(schedule)
+    rejects_pair(schedule, "ranks 0 and 1 disagree on the order of their messages",
             "message #4", "grad 2->1 mb0, act 0->1 mb2", "act 0->1 mb2, grad 2->1 mb0")
     validate_schedule(schedule, channels="kind")
-    with pytest.raises(ValueError, match="channels='tags' must be one of pair, kind"):
+    with pytest.raises(ValueError, match="channels='tags' must be one of sender, pair, kind"):
         validate_schedule(schedule, channels="tags")
 
 

@@ -68,7 +68,7 @@ def _per_stage(name: str, value: Cost, schedule: Schedule) -> list[float]:
 
 
 def simulate(schedule: Schedule, costs: CostModel | None = None, validate: bool = True,
-             channels: str = "pair") -> Timeline:
+             channels: str = "sender") -> Timeline:
     """Predict when every action of ``schedule`` runs under ``costs``.
 
     Validates first (``channels`` as in ``validate_schedule``); with ``validate=False`` a

@@ -54,7 +54,7 @@ def register(subparsers) -> None:
     parser.add_argument("--width", type=int, help="ascii: scale the grid to this many columns")
     parser.add_argument("--max-pending-backward", type=int, metavar="K",
                         help="builder option of the zero-bubble schedules")
-    parser.add_argument("--channels", choices=CHANNELS, default="pair",
+    parser.add_argument("--channels", choices=CHANNELS, default="sender",
                         help="message matching to validate against: one in-order channel per "
                         "rank pair (default, NCCL) or per pair and kind (activations apart "
                         "from gradients)")

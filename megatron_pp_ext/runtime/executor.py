@@ -83,6 +83,50 @@ def call_name(send: Message | None, recv: Message | None) -> str:
     return "_".join(parts)
 
 
+def incoming_messages(schedule: Schedule, rank: int) -> dict[int, list[Message]]:
+    """Per peer, the messages it sends to ``rank``, in the order it sends them."""
+    cache = schedule.__dict__.setdefault("_incoming_messages", {})
+    if rank not in cache:
+        incoming: dict[int, list[Message]] = collections.defaultdict(list)
+        for peer in range(schedule.num_ranks):
+            if peer == rank:
+                continue
+            for plan in comm_plan(schedule, peer):
+                if plan.send is not None and plan.send.peer == rank:
+                    incoming[peer].append(Message(peer, plan.send.carries, plan.send.stage,
+                                                  plan.send.microbatch))
+        cache[rank] = dict(incoming)
+    return cache[rank]
+
+
+class Inbox:
+    """Receives from each peer in the order that peer sends (every rank knows every action
+    list), so two ranks never have to agree on one order; what arrives before it is
+    needed waits in ``stash``. At most one receive per peer is in flight."""
+
+    def __init__(self, incoming: dict[int, list[Message]]):
+        self.queues = {peer: collections.deque(msgs) for peer, msgs in incoming.items()}
+        self.in_flight: dict[int, tuple[Message, object]] = {}
+        self.stash: dict[Message, torch.Tensor] = {}
+
+    def next_from(self, peer: int) -> Message:
+        if not self.queues.get(peer):
+            raise RuntimeError(
+                f"a message from rank {peer} is needed, but its action list sends no further "
+                "one: the ranks run inconsistent schedules (validate_schedule rejects this)")
+        return self.queues[peer][0]
+
+    def to_post(self, needed: Message) -> Message | None:
+        """What to receive now so that ``needed`` comes next (None: nothing to post)."""
+        if needed in self.stash or needed.peer in self.in_flight:
+            return None
+        return self.next_from(needed.peer)
+
+    def posted(self, message: Message, handle) -> None:
+        self.queues[message.peer].popleft()
+        self.in_flight[message.peer] = (message, handle)
+
+
 @dataclass
 class StepResult:
     executed: list[Action]
@@ -110,16 +154,18 @@ class Executor:
         calls = collections.Counter()
         events: list[Event] = []
         local: dict[tuple, object] = {}  # tensors handed between stages of this rank
-        unsent: list[tuple] = []  # (send handle, output) until the send is done
+        unsent: list[tuple] = []  # (send handle, output, message) until the send is done
+        inbox = Inbox(incoming_messages(self.schedule, self.rank))
         held = peak = 0
         n = len(self.actions)
-        pending = self._post(None, None, self.plans[0].recv if n else None, calls)[1]
+        if n and self.plans[0].recv is not None:
+            self._post(None, None, inbox.to_post(self.plans[0].recv), inbox, calls)
 
         for i, action in enumerate(self.actions):
             plan = self.plans[i]
             # ---- inputs
             if plan.recv is not None:
-                received = self._wait(pending, plan.recv, action, history, events)
+                received = self._take(inbox, plan.recv, action, calls, history, events)
                 if plan.recv.carries == ACTIVATION and received.is_floating_point():
                     received.requires_grad_(True)
                 incoming = received
@@ -149,11 +195,12 @@ class Executor:
             # ---- outputs: local handoff, or one call that also posts the next receive
             if plan.send is None and produced is not None:
                 self._hand_over(action, produced, local)
-            next_recv = self.plans[i + 1].recv if i + 1 < n else None
             send = (produced, plan.send.peer) if plan.send is not None else None
             if send is not None:
                 self._check_outgoing(produced, plan.send, action)
-            handle, pending = self._post(send, plan.send, next_recv, calls)
+            next_recv = self.plans[i + 1].recv if i + 1 < n else None
+            to_post = inbox.to_post(next_recv) if next_recv is not None else None
+            handle = self._post(send, plan.send, to_post, inbox, calls)
             if handle is not None:
                 unsent.append((handle, produced, plan.send))
             unsent = self._reap(unsent)
@@ -161,9 +208,11 @@ class Executor:
         for handle, output, message in unsent:
             self._finish_send(handle, message, history)
             self._release(output, message)
-        if local:
-            raise RuntimeError(f"rank {self.rank}: tensors handed over locally were never "
-                               f"consumed: {sorted(local)} (the schedule lacks their consumers)")
+        if local or inbox.stash:
+            raise RuntimeError(
+                f"rank {self.rank}: tensors were left unconsumed at the end of the step: "
+                f"{sorted(local) + [str(m) for m in inbox.stash]} (the schedule lacks their "
+                "consumers)")
         return StepResult(list(self.actions), peak, calls, events)
 
     # ------------------------------------------------------------------ helpers
@@ -193,14 +242,27 @@ class Executor:
                 "config.variable_seq_lengths=True when microbatches differ in length"
             )
 
-    def _post(self, send, send_message: Message | None, recv: Message | None, calls):
+    def _post(self, send, send_message: Message | None, recv: Message | None, inbox, calls):
+        """One call for a send and/or a receive; returns the send's handle."""
         if send is None and recv is None:
-            return None, None
+            return None
         calls[call_name(send_message if send is not None else None, recv)] += 1
         request = None
         if recv is not None:
             request = RecvRequest(recv.peer, self.recv_shape, self.dtype, self.device)
-        return self.transport.exchange(send, request, self.variable_shapes)
+        send_handle, recv_handle = self.transport.exchange(send, request, self.variable_shapes)
+        if recv is not None:
+            inbox.posted(recv, recv_handle)
+        return send_handle
+
+    def _take(self, inbox, needed: Message, action: Action, calls, history, events):
+        """The tensor ``action`` needs; earlier messages from the same peer land in the stash."""
+        while needed not in inbox.stash:
+            if needed.peer not in inbox.in_flight:
+                self._post(None, None, inbox.next_from(needed.peer), inbox, calls)
+            message, handle = inbox.in_flight.pop(needed.peer)
+            inbox.stash[message] = self._wait(handle, message, action, history, events)
+        return inbox.stash.pop(needed)
 
     def _wait(self, handle, message: Message, action: Action, history, events) -> torch.Tensor:
         start = self.clock()
@@ -209,8 +271,9 @@ class Executor:
         except TransportTimeout:
             raise PipelineTimeoutError(
                 self.rank, message.peer,
-                f"{action} (microbatch {message.microbatch}) waiting for its {message.carries} "
-                f"tensor from rank {message.peer}", self.clock() - start, list(history),
+                f"{action} (microbatch {action.microbatch}) waiting for the {message.carries} "
+                f"tensor of microbatch {message.microbatch} from rank {message.peer}",
+                self.clock() - start, list(history),
             ) from None
         if self.trace:
             events.append(Event(self.rank, f"wait {action}<-rank {message.peer}", start,
