@@ -1,0 +1,313 @@
+"""Run a function in ``world_size`` local processes joined by a gloo process group, and set up
+Megatron-Core's parallel state inside them.
+
+    results = spawn(4, run_step, "1f1b", pp=4, num_microbatches=8)   # list, one per rank
+
+``fn`` must be picklable by reference (a module-level function). Each rank runs
+``fn(rank, world_size, *args, **kwargs)``; its return value comes back to the parent through a
+queue. If any rank raises, or the whole run exceeds ``timeout_s``, every rank is stopped and the
+parent raises with the failing rank's traceback (or, on a timeout, the ranks that had not
+finished; their Python stacks are dumped to stderr first, so a hang shows where it waits).
+
+Processes start from a ``forkserver`` that has already imported torch and Megatron-Core (a
+Megatron import costs ~5 s of CPU per process otherwise), so a 4-rank run starts in well under
+a second after the first one. Each rank uses one torch thread.
+"""
+
+from __future__ import annotations
+
+import datetime
+import faulthandler
+import multiprocessing as mp
+import io
+import os
+import queue as queue_mod
+import signal
+import socket
+import sys
+import time
+import traceback
+from typing import Any, Callable, Optional
+
+__all__ = ["spawn", "free_port", "init_megatron", "destroy", "SpawnError"]
+
+# Modules the forkserver imports once, so that every rank forks with them already loaded.
+_PRELOAD = [
+    "torch",
+    "megatron.core.models.gpt",
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.distributed",
+    "megatron_pp_ext.demo.reference",
+]
+_CONTEXTS: dict[str, Any] = {}
+
+
+class SpawnError(RuntimeError):
+    """A rank raised, died, or the run timed out. ``rank`` is the first failing rank (or None)."""
+
+    def __init__(self, message: str, rank: Optional[int] = None):
+        super().__init__(message)
+        self.rank = rank
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _context(start_method: str):
+    if start_method not in _CONTEXTS:
+        ctx = mp.get_context(start_method)
+        if start_method == "forkserver":
+            ctx.set_forkserver_preload(_PRELOAD)
+        _CONTEXTS[start_method] = ctx
+    return _CONTEXTS[start_method]
+
+
+def _dumps(obj: Any) -> bytes:
+    """Serialize a rank's result by value with ``torch.save``: torch's multiprocessing pickler
+    would share tensors through file descriptors that die with the rank, and plain pickle of a
+    tensor, once Megatron is imported, names ``megatron.core.safe_globals`` (Megatron registers
+    its own storage reducer), which would make the parent import Megatron to read it."""
+    import torch
+
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _loads(data: bytes) -> Any:
+    import torch
+
+    return torch.load(io.BytesIO(data), weights_only=False)  # our own child's bytes
+
+
+def _worker(rank, world_size, port, timeout_s, fn, args, kwargs, results):
+    """Body of one rank: environment, one thread, gloo group, fn, result to the parent."""
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # parent asks for stacks on timeout
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        OMP_NUM_THREADS="1",
+    )
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        dist.init_process_group(
+            "gloo",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=max(1.0, float(timeout_s))),
+        )
+        out = _dumps(fn(rank, world_size, *args, **kwargs))
+        destroy()
+        dist.destroy_process_group()
+        results.put((rank, True, out))
+    except BaseException:  # noqa: BLE001 - everything goes back to the parent as text
+        results.put((rank, False, traceback.format_exc()))
+        # Stay alive (and connected) until the parent stops us: closing our sockets now would
+        # make the peers fail with "connection reset", masking this rank's error.
+        time.sleep(float(timeout_s))
+
+
+def spawn(
+    world_size: int,
+    fn: Callable[..., Any],
+    *args: Any,
+    timeout_s: float = 120,
+    start_method: str = "forkserver",
+    **kwargs: Any,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args, **kwargs)`` in ``world_size`` processes joined by a gloo
+    process group (MASTER_ADDR=127.0.0.1, a free MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK set).
+
+    Returns the ranks' return values, indexed by rank. Raises :class:`SpawnError` carrying the
+    first failing rank's traceback if a rank raises or dies, and on a timeout (after asking the
+    live ranks to dump their stacks to stderr); all ranks are stopped in both cases.
+    ``start_method`` is "forkserver" (default, fast) or "spawn"."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    ctx = _context(start_method)
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(
+            target=_worker,
+            args=(rank, world_size, port, timeout_s, fn, args, kwargs, results),
+            name=f"spawn-rank{rank}",
+            daemon=True,
+        )
+        for rank in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+
+    outputs: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    error: Optional[SpawnError] = None
+    try:
+        while len(outputs) < world_size:
+            try:
+                rank, ok, payload = results.get(timeout=0.2)
+            except queue_mod.Empty:
+                if time.monotonic() > deadline:
+                    missing = sorted(set(range(world_size)) - set(outputs))
+                    _dump_stacks([procs[r] for r in missing])
+                    error = SpawnError(
+                        f"spawn timed out after {timeout_s}s: ranks {missing} of {world_size} "
+                        f"did not finish {getattr(fn, '__qualname__', fn)!r} (their stacks were "
+                        "dumped to stderr)"
+                    )
+                    break
+                dead = [
+                    r
+                    for r, p in enumerate(procs)
+                    if r not in outputs and p.exitcode is not None and p.exitcode != 0
+                ]
+                if dead and results.empty():
+                    time.sleep(0.5)  # a result may still be in flight
+                    if results.empty():
+                        r = dead[0]
+                        error = SpawnError(
+                            f"rank {r} died with exit code {procs[r].exitcode} without a result",
+                            rank=r,
+                        )
+                        break
+                continue
+            if not ok:
+                error = _first_cause(rank, payload, results, procs, outputs)
+                break
+            outputs[rank] = _loads(payload)
+    finally:
+        _stop(procs, graceful=error is None)
+        results.close()
+    if error is not None:
+        raise error
+    return [outputs[r] for r in range(world_size)]
+
+
+# Errors a rank gets because a *peer* failed: reported after the root cause, if both come.
+_SECONDARY = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
+
+
+def _first_cause(rank: int, text: str, results, procs, outputs) -> SpawnError:
+    """The error to raise: collect the errors that arrive within a moment and prefer one that
+    is not a consequence of a peer's failure (or a rank that died without a word); name the
+    other failing ranks too."""
+    world_size = len(procs)
+    errors = [(rank, text)]
+    end = time.monotonic() + 0.5
+    while time.monotonic() < end:
+        try:
+            r, ok, payload = results.get(timeout=0.1)
+        except queue_mod.Empty:
+            continue
+        if not ok:
+            errors.append((r, payload))
+    reported = {r for r, _ in errors} | set(outputs)
+    dead = [r for r, p in enumerate(procs) if r not in reported and p.exitcode not in (None, 0)]
+    primary = next((e for e in errors if not any(m in e[1] for m in _SECONDARY)), None)
+    if primary is None and dead:
+        r = dead[0]
+        return SpawnError(
+            f"rank {r} of {world_size} died with exit code {procs[r].exitcode} without a "
+            f"result; then rank {errors[0][0]} raised:\n{errors[0][1]}",
+            rank=r,
+        )
+    primary = primary or errors[0]
+    others = sorted(r for r, _ in errors if r != primary[0])
+    also = f" (ranks {others} failed too)" if others else ""
+    return SpawnError(
+        f"rank {primary[0]} of {world_size} raised{also}:\n{primary[1]}", rank=primary[0]
+    )
+
+
+def _dump_stacks(procs) -> None:
+    """Ask each live rank, one at a time, to print its Python stacks to stderr."""
+    for p in procs:
+        if p.is_alive() and p.pid is not None:
+            try:
+                print(f"--- stacks of {p.name} (pid {p.pid}) ---", file=sys.stderr, flush=True)
+                os.kill(p.pid, signal.SIGUSR1)
+            except OSError:
+                continue
+            time.sleep(0.3)
+
+
+def _stop(procs, graceful: bool) -> None:
+    if graceful:
+        for p in procs:
+            p.join(timeout=10)
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    for p in procs:
+        p.join(timeout=5)
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5)
+
+
+# --------------------------------------------------------------------------------------------
+# Megatron parallel state
+# --------------------------------------------------------------------------------------------
+
+
+def init_megatron(
+    pp_size: int,
+    vp_size: Optional[int] = None,
+    tp: int = 1,
+    seed: int = 1234,
+    force_cpu: bool = True,
+) -> None:
+    """Initialize Megatron-Core's model-parallel state in this (already gloo-initialized) process:
+    ``initialize_model_parallel(tp, pp, vp)``, then seed the RNGs (torch's CPU RNG and
+    ``model_parallel_cuda_manual_seed``, which works on the CPU through the CPU shims).
+    Data-parallel size is ``world_size // (tp * pp_size)``.
+
+    Applies the CPU shims: always with ``force_cpu`` (the default: the gloo demo runs on the
+    CPU even where a GPU exists, so several ranks can share a machine and results do not
+    depend on it), else only when there is no GPU."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from megatron_pp_ext.demo.cpu_shims import apply_cpu_shims
+
+    apply_cpu_shims(force=force_cpu)
+    world = dist.get_world_size()
+    if world % (tp * pp_size) != 0:
+        raise ValueError(
+            f"world_size={world} is not divisible by tp*pp={tp}*{pp_size}; launch "
+            f"a multiple of {tp * pp_size} processes"
+        )
+    if vp_size is not None and vp_size < 2:
+        vp_size = None  # Megatron treats vp=1 as "not interleaved"; None says it plainly.
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp_size,
+        virtual_pipeline_model_parallel_size=vp_size,
+    )
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+
+
+def destroy() -> None:
+    """Tear down Megatron-Core's model-parallel state (safe to call when not initialized)."""
+    if "megatron.core.parallel_state" not in sys.modules:
+        return
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()

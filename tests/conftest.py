@@ -1,0 +1,32 @@
+"""Shared pytest setup. Keep it small."""
+
+import pytest
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "megatron_cpu: multi-process gloo test that trains the tiny Megatron-Core GPT on the CPU",
+    )
+
+
+@pytest.fixture(scope="session")
+def megatron_reference():
+    """``get(**run_step_kwargs)``: the pp=1 result of Megatron's ``forward_backward_no_pipelining``
+    on the full tiny GPT ({"losses", "grads"} by global parameter name), computed once per
+    distinct keyword set in the session. Compare other runs with
+    ``megatron_pp_ext.demo.reference.assert_same``."""
+    from megatron_pp_ext.demo.launch import spawn
+    from megatron_pp_ext.demo.reference import merge_results, run_step
+
+    cache = {}
+
+    def get(**kwargs):
+        key = tuple(sorted((k, repr(v)) for k, v in kwargs.items()))
+        if key not in cache:
+            cache[key] = merge_results(
+                spawn(1, run_step, "no_pipelining", pp=1, timeout_s=120, **kwargs)
+            )
+        return cache[key]
+
+    return get
