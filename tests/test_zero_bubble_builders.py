@@ -1,0 +1,409 @@
+"""Zero-bubble family builders: zb-h1, zb-h2, zb-v, dualpipev.
+
+Every schedule goes through two independent checks: a small checker of our own (counts, local
+order, per-peer message order, deadlock freedom by running the lists) and the project's
+``analysis.validate.validate_schedule`` with ``channels="pair"``: messages between two ranks,
+activations and gradients mixed, matched in each side's own action order (the strictest rule;
+the executor's default, receiving in the sender's order, accepts every such schedule). The
+cost-model facts are measured by our own eager run and cross-checked against
+``analysis.simulate.simulate`` with t_F = t_I = t_W = 1, t_B = 2, t_comm = 0.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+
+import pytest
+
+from megatron_pp_ext.analysis.simulate import CostModel, simulate
+from megatron_pp_ext.analysis.validate import validate_schedule
+from megatron_pp_ext.ir import Schedule, ScheduleError
+from megatron_pp_ext.schedules import REGISTRY, build_schedule
+from megatron_pp_ext.schedules._common import loop_placement, v_placement
+from megatron_pp_ext.schedules.dualpipev import build_dualpipev
+from megatron_pp_ext.schedules.one_f_one_b import build_1f1b
+from megatron_pp_ext.schedules.zb_v import build_zb_v
+from megatron_pp_ext.schedules.zero_bubble import (
+    StuckError,
+    build_zb_h1,
+    build_zb_h2,
+    kind_first,
+    merge_streams,
+)
+
+BUILDERS = {
+    "zb-h1": build_zb_h1,
+    "zb-h2": build_zb_h2,
+    "zb-v": build_zb_v,
+    "dualpipev": build_dualpipev,
+}
+COSTS = {"F": 1, "I": 1, "W": 1, "B": 2}
+EQUAL = CostModel(t_f=1, t_i=1, t_w=1, t_b=2, t_comm=0)
+
+
+# ---------------------------------------------------------------- our own checker + eager run
+@dataclass
+class Run:
+    """What running every rank's list eagerly did (times in cost-model units)."""
+
+    first_start: list
+    last_end: list
+    busy: list
+    peak_held: list  # microbatch-stages held from the end of F to the end of W (or B)
+    peak_full: list  # ... from the end of F to the end of I (or B): full activations
+    peak_pending_w: list  # I's whose W has not run
+
+    @property
+    def makespan(self) -> float:
+        return max(self.last_end) - min(self.first_start)
+
+    @property
+    def idle(self) -> list:
+        return [self.makespan - b for b in self.busy]
+
+    @property
+    def bubble_fraction(self) -> float:
+        return sum(self.idle) / (len(self.busy) * self.makespan)
+
+    @property
+    def window_idle(self) -> list:
+        """Idle time inside each rank's own first-start .. last-end window."""
+        return [e - s - b for s, e, b in zip(self.first_start, self.last_end, self.busy)]
+
+
+def _messages(action, schedule: Schedule):
+    """(rank received from, rank sent to, message received, message sent); None where local."""
+    s, kind, mb = action.stage, action.kind, action.microbatch
+    rank, last = schedule.rank_of(s), schedule.num_stages - 1
+    if kind == "F":
+        src = schedule.rank_of(s - 1) if s > 0 else None
+        dst = schedule.rank_of(s + 1) if s < last else None
+        recv, send = ("act", s - 1, mb), ("act", s, mb)
+    elif kind in ("I", "B"):
+        src = schedule.rank_of(s + 1) if s < last else None
+        dst = schedule.rank_of(s - 1) if s > 0 else None
+        recv, send = ("grad", s + 1, mb), ("grad", s, mb)
+    else:
+        return None, None, None, None
+    return (src if src != rank else None), (dst if dst != rank else None), recv, send
+
+
+def check_schedule(schedule: Schedule, forward_only: bool = False) -> Run:
+    """Enforce every rule the validator does, run the lists eagerly, measure; then validate."""
+    p, m, num_stages = schedule.num_ranks, schedule.num_microbatches, schedule.num_stages
+    for rank, row in enumerate(schedule.actions):
+        for a in row:
+            assert schedule.rank_of(a.stage) == rank, f"{a} listed on rank {rank}"
+    counts = Counter((a.stage, a.kind, a.microbatch) for row in schedule.actions for a in row)
+    assert max(counts.values()) == 1, [k for k, v in counts.items() if v > 1]
+    expected = 0
+    for s in range(num_stages):
+        for mb in range(m):
+            assert counts[(s, "F", mb)] == 1, f"{s}F{mb} missing"
+            if forward_only:
+                expected += 1
+                continue
+            backward = (counts[(s, "B", mb)], counts[(s, "I", mb)], counts[(s, "W", mb)])
+            assert backward in ((1, 0, 0), (0, 1, 1)), f"stage {s} mb {mb}: B/I/W {backward}"
+            expected += 2 + backward[1]
+    assert sum(counts.values()) == expected, "actions outside stages 0..S-1 / mbs 0..m-1"
+    for rank, row in enumerate(schedule.actions):  # local order
+        position = {(a.stage, a.kind, a.microbatch): i for i, a in enumerate(row)}
+        for (s, kind, mb), i in position.items():
+            if kind in ("I", "B"):
+                assert position[(s, "F", mb)] < i, f"rank {rank}: {s}{kind}{mb} before its F"
+            if kind == "W":
+                assert position[(s, "I", mb)] < i, f"rank {rank}: {s}W{mb} before its I"
+    sent, received = defaultdict(list), defaultdict(list)  # per-peer message order
+    for rank, row in enumerate(schedule.actions):
+        for a in row:
+            src, dst, recv, send = _messages(a, schedule)
+            if src is not None:
+                received[(src, rank)].append(recv)
+            if dst is not None:
+                sent[(rank, dst)].append(send)
+    for pair in set(sent) | set(received):
+        assert sent[pair] == received[pair], f"message order differs on channel {pair}"
+
+    done_at: dict = {}  # eager run: an action starts when its rank is free and its input exists
+    pointer, clock, busy = [0] * p, [0.0] * p, [0.0] * p
+    first: list = [None] * p
+    held, full, pending = [0] * p, [0] * p, [0] * p
+    peak_held, peak_full, peak_pending = [0] * p, [0] * p, [0] * p
+    remaining = sum(len(row) for row in schedule.actions)
+    while remaining:
+        progressed = False
+        for rank, row in enumerate(schedule.actions):
+            while pointer[rank] < len(row):
+                a = row[pointer[rank]]
+                s, kind, mb = a.stage, a.kind, a.microbatch
+                if kind == "F":
+                    needs = [(s - 1, "F", mb)] if s > 0 else []
+                elif kind in ("I", "B"):
+                    needs = [(s, "F", mb)]
+                    if s < num_stages - 1:
+                        needs.append((s + 1, "I" if counts[(s + 1, "I", mb)] else "B", mb))
+                else:
+                    needs = [(s, "I", mb)]
+                missing = [n for n in needs if n not in done_at]
+                if missing:
+                    assert all(schedule.rank_of(n[0]) != rank for n in missing), (
+                        f"rank {rank}: {a} waits for {missing}, later in its own list"
+                    )
+                    break
+                start = max([clock[rank]] + [done_at[n] for n in needs])
+                done_at[(s, kind, mb)] = clock[rank] = start + COSTS[kind]
+                busy[rank] += COSTS[kind]
+                first[rank] = start if first[rank] is None else first[rank]
+                if not forward_only:
+                    held[rank] += {"F": 1, "B": -1, "W": -1}.get(kind, 0)
+                    full[rank] += {"F": 1, "B": -1, "I": -1}.get(kind, 0)
+                    pending[rank] += {"I": 1, "W": -1}.get(kind, 0)
+                peak_held[rank] = max(peak_held[rank], held[rank])
+                peak_full[rank] = max(peak_full[rank], full[rank])
+                peak_pending[rank] = max(peak_pending[rank], pending[rank])
+                pointer[rank] += 1
+                remaining -= 1
+                progressed = True
+        assert progressed, f"deadlock: ranks stopped at positions {pointer}"
+    validate_schedule(schedule, channels="pair")  # the strictest rule: NCCL without tags
+    return Run([f or 0.0 for f in first], clock, busy, peak_held, peak_full, peak_pending)
+
+
+def measure(schedule: Schedule) -> Run:
+    """Our eager run, cross-checked against the project's simulator."""
+    run = check_schedule(schedule)
+    timeline = simulate(schedule, EQUAL, channels="pair")
+    assert timeline.makespan == run.makespan
+    assert timeline.bubble_fraction == pytest.approx(run.bubble_fraction)
+    assert timeline.peak_activations == run.peak_held
+    return run
+
+
+def text(schedule: Schedule) -> list[str]:
+    return [" ".join(map(str, row)) for row in schedule.actions]
+
+
+# ---------------------------------------------------------------- validity everywhere
+@pytest.mark.parametrize("name", BUILDERS)
+def test_valid_for_every_size(name):
+    builder = BUILDERS[name]
+    for p in range(1, 9):
+        for m in range(1, 33):
+            schedule = builder(p, m)
+            assert (schedule.num_ranks, schedule.num_microbatches) == (p, m)
+            layout = v_placement(p) if name in ("zb-v", "dualpipev") else loop_placement(p, 1)
+            assert schedule.stage_to_rank == layout
+            check_schedule(schedule)
+
+
+@pytest.mark.parametrize("name", BUILDERS)
+def test_forward_only_is_just_the_forwards(name):
+    for p in range(1, 9):
+        for m in (1, 2, 5, 16):
+            schedule = BUILDERS[name](p, m, forward_only=True)
+            assert {a.kind for row in schedule.actions for a in row} == {"F"}
+            assert schedule.options["forward_only"] is True
+            check_schedule(schedule, forward_only=True)
+
+
+@pytest.mark.parametrize("name", BUILDERS)
+def test_registry_builds_and_validates(name):
+    spec = REGISTRY[name]
+    assert spec.split_backward and "any p >= 1, m >= 1" in spec.constraints
+    schedule = build_schedule(name, 3, 7)
+    assert schedule.name == name and schedule.uses_split_backward()
+
+
+# ---------------------------------------------------------------- exact small orders
+EXACT_P2_M4 = {
+    "zb-h1": [
+        "0F0 0F1 0I0 0W0 0F2 0I1 0W1 0F3 0I2 0W2 0I3 0W3",
+        "1F0 1I0 1F1 1I1 1W0 1F2 1I2 1W1 1F3 1I3 1W2 1W3",
+    ],
+    "zb-h2": [
+        "0F0 0F1 0F2 0I0 0W0 0F3 0I1 0I2 0W1 0W2 0I3 0W3",
+        "1F0 1I0 1F1 1I1 1F2 1I2 1W0 1F3 1I3 1W1 1W2 1W3",
+    ],
+    "zb-v": [
+        "0F0 0F1 3F0 3I0 3F1 3W0 0I0 0F2 3I1 0W0 0F3 3W1 3F2 3I2 0I1 3W2 0W1 3F3 3I3 0I2 3W3 "
+        "0I3 0W2 0W3",
+        "1F0 2F0 1F1 2F1 2I0 1I0 2W0 1W0 1F2 2I1 2F2 1I1 2W1 1F3 2I2 1W1 2F3 1I2 2W2 2I3 1I3 "
+        "1W2 2W3 1W3",
+    ],
+    "dualpipev": [
+        "0F0 0F1 3F0 0F2 3I0 3W0 3F1 0F3 3B1 3F2 0B0 3B2 3F3 0B1 3B3 0I2 0W2 0I3 0W3",
+        "1F0 2F0 1F1 2F1 1F2 2B0 2F2 1B0 1F3 2B1 2F3 1B1 2B2 1B2 2I3 1I3 2W3 1W3",
+    ],
+}
+
+
+@pytest.mark.parametrize("name", BUILDERS)
+def test_exact_order_p2_m4(name):
+    assert text(BUILDERS[name](2, 4)) == EXACT_P2_M4[name]
+
+
+def test_exact_order_dualpipev_p3_m6():
+    # derived by hand from the step list in dualpipev's docstring; rank 0 (a=0, b=5):
+    # 1: 0F0 0F1 | 2: 0F2 5F0 | 3: [0F3 5I0] 5W0 5F1 [0F4 5I1] 5W1 5F2 |
+    # 4: [0F5 5B2] [5F3 0B0] | 5: 5B3 [5F4 0B1] 5B4 [5F5 0B2] | 6: 5B5 0I3 |
+    # 7: 0W3 0I4 0W4 0I5 | 8: 0W5
+    assert text(build_dualpipev(3, 6)) == [
+        "0F0 0F1 0F2 5F0 0F3 5I0 5W0 5F1 0F4 5I1 5W1 5F2 0F5 5B2 5F3 0B0 5B3 5F4 0B1 5B4 5F5 "
+        "0B2 5B5 0I3 0W3 0I4 0W4 0I5 0W5",
+        "1F0 1F1 4F0 1F2 4F1 1F3 4I0 4W0 4F2 1F4 4B1 4F3 1B0 1F5 4B2 4F4 1B1 4B3 4F5 1B2 4B4 "
+        "1B3 4I5 1I4 4W5 1I5 1W4 1W5",
+        "2F0 3F0 2F1 3F1 2F2 3F2 2F3 3B0 3F3 2B0 2F4 3B1 3F4 2B1 2F5 3B2 3F5 2B2 3B3 2B3 3B4 "
+        "2I4 3I5 2I5 2W4 3W5 2W5",
+    ]
+
+
+# ---------------------------------------------------------------- cost-model facts
+def test_zb_h1_third_of_1f1b_bubble_at_1f1b_memory():
+    for p, m, makespan, ofob_makespan in ((4, 8, 27, 33), (4, 16, 51, 57)):
+        zb, ofob = measure(build_zb_h1(p, m)), measure(build_1f1b(p, m))
+        assert (zb.makespan, ofob.makespan) == (makespan, ofob_makespan)
+        assert zb.idle == [3] * 4 and ofob.idle == [9] * 4  # a third
+        assert zb.peak_full == ofob.peak_held == [4, 3, 2, 1]  # 1F1B's full activations
+        assert zb.peak_held == [4, 4, 4, 4]  # p in flight until W on every rank (the paper)
+        assert zb.peak_pending_w == [1, 2, 3, 4]  # rank r's W's trail by r
+    assert measure(build_zb_h1(4, 8)).bubble_fraction == pytest.approx(3 / 27)  # 0.111
+    assert measure(build_1f1b(4, 8)).bubble_fraction == pytest.approx(9 / 33)  # 0.273
+    assert measure(build_zb_h1(4, 16)).bubble_fraction == pytest.approx(3 / 51)  # 0.059
+    assert measure(build_1f1b(4, 16)).bubble_fraction == pytest.approx(9 / 57)  # 0.158
+    for p in range(2, 9):
+        for m in (p, 2 * p, 3 * p + 1):
+            zb, ofob = check_schedule(build_zb_h1(p, m)), check_schedule(build_1f1b(p, m))
+            assert zb.makespan == 3 * m + p - 1
+            assert zb.idle == [p - 1] * p and ofob.idle == [3 * (p - 1)] * p
+            assert zb.peak_full == ofob.peak_held == [p - r for r in range(p)]
+            assert zb.peak_held == [p] * p
+
+
+def test_zb_h2_no_bubble_inside_any_rank():
+    for m, makespan in ((8, 27), (16, 51)):
+        run = measure(build_zb_h2(4, m))
+        assert run.makespan == makespan and run.idle == [3] * 4  # rank 3 starts at slot 3
+        assert run.window_idle == [0, 0, 0, 0]  # the parallelogram
+        assert run.peak_full == [7, 5, 3, 1] and run.peak_held == [7, 7, 7, 7]
+        assert run.bubble_fraction == pytest.approx(3 / makespan)  # 0.111, 0.059
+    for p in range(1, 9):
+        for m in (2 * p - 1, 2 * p, 3 * p + 2):
+            run = check_schedule(build_zb_h2(p, m))
+            assert run.makespan == 3 * m + p - 1  # the least any schedule can have
+            assert run.window_idle == [0] * p
+            assert run.peak_full == [2 * (p - r) - 1 for r in range(p)]
+            assert max(run.peak_held) == run.peak_held[0] == 2 * p - 1
+
+
+def test_zb_v_least_makespan_at_1f1b_memory():
+    for m, makespan in ((8, 51), (16, 99)):
+        run = measure(build_zb_v(4, m))
+        assert run.makespan == makespan and run.idle == [3] * 4
+        assert run.window_idle == [3, 2, 1, 0]
+        assert run.peak_held == [8, 8, 8, 8]  # 2p chunk activations = p whole-rank microbatches
+        assert run.bubble_fraction == pytest.approx(3 / makespan)  # 0.059, 0.030
+    for p in range(1, 9):
+        for m in (p, 2 * p, 3 * p + 1):
+            run = check_schedule(build_zb_v(p, m))
+            assert run.makespan == 6 * m + p - 1  # rank p-1 starts at p-1 and has 6m of work
+            assert max(run.peak_held) <= 2 * p
+
+
+def test_dualpipev_bubble_and_memory_match_dualpipe_table():
+    for m, makespan in ((8, 51), (16, 99)):
+        run = measure(build_dualpipev(4, m))
+        assert run.makespan == makespan and run.idle == [3] * 4
+        assert run.peak_held == [9, 9, 9, 9]  # S + 1 with S = 8 stages
+        assert run.bubble_fraction == pytest.approx(3 / makespan)  # 0.059, 0.030
+    for p in range(1, 9):
+        for m in (2 * p, 2 * p + 1, 3 * p + 4):
+            run = check_schedule(build_dualpipev(p, m))
+            formula = (p - 1) * ((1 + 2) + 2 - 3 * 1)  # (S/2-1)(F&B + B - 3W)
+            assert run.idle == [p - 1] * p and p - 1 <= formula
+            assert run.makespan == 6 * m + p - 1
+            assert run.peak_held[0] == max(run.peak_held) == 2 * p + 1
+
+
+def test_dualpipev_overlapped_pairs_and_phases():
+    p, m = 4, 12
+    schedule = build_dualpipev(p, m)
+    for rank, row in enumerate(schedule.actions):
+        a, b = rank, 2 * p - 1 - rank
+        pairs = [
+            (x, y) for x, y in zip(row, row[1:])
+            if x.kind == "F" and y.kind in ("B", "I") and x.stage != y.stage
+        ]
+        # steps 3, 4 and 5: p-r-1 + 2(m-2p+r+1) + p-r-1 = 2(m-p) pairs, F first
+        assert len(pairs) == 2 * (m - p)
+        assert row[: p - rank - 1] == [x for x in row if x.stage == a][: p - rank - 1]
+        assert row[-1].kind == "W"
+        assert len([x for x in row if x.kind == "W"]) == (p - rank - 1) + p
+
+
+def test_dualpipev_match_dualpipe_is_dualpipes_own_order():
+    schedule = build_dualpipev(3, 6, match_dualpipe=True)
+    assert text(schedule)[0] == (  # DualPipeV.step on rank 0: 2(p-1) warm-up forwards
+        "0F0 0F1 0F2 0F3 0F4 5F0 5I0 5W0 5F1 5I1 5W1 5F2 0F5 5B2 5F3 0B0 5B3 5F4 0B1 5B4 5F5 "
+        "0B2 5B5 0I3 0W3 0I4 0W4 0I5 0W5"
+    )
+    validate_schedule(schedule)  # the executor receives in the sender's order: it runs
+    with pytest.raises(ScheduleError):  # in-order matching on both sides does not
+        validate_schedule(schedule, channels="pair")
+    ours = simulate(build_dualpipev(4, 8), EQUAL)
+    theirs = simulate(build_dualpipev(4, 8, match_dualpipe=True), EQUAL)
+    assert (theirs.makespan, theirs.peak_activations) == (ours.makespan, ours.peak_activations)
+    assert theirs.bubble_fraction == ours.bubble_fraction
+
+
+def test_dualpipev_fewer_than_2p_microbatches_is_cut_from_2p():
+    schedule = build_dualpipev(4, 3)
+    assert schedule.options["built_for_microbatches"] == 8
+    full = build_dualpipev(4, 8)
+    assert schedule.actions == [[x for x in row if x.microbatch < 3] for row in full.actions]
+    assert "built_for_microbatches" not in full.options
+
+
+# ---------------------------------------------------------------- options and rejections
+@pytest.mark.parametrize("name", ["zb-h1", "zb-h2"])
+def test_max_pending_backward_is_respected(name):
+    for p in (1, 2, 4, 5):
+        for m in (1, 4, 9, 16):
+            for limit in range(1, 2 * p + 1):
+                schedule = BUILDERS[name](p, m, max_pending_backward=limit)
+                assert schedule.options["max_pending_backward"] == limit
+                run = check_schedule(schedule)
+                assert max(run.peak_pending_w) <= limit
+    assert BUILDERS[name](4, 8).options["max_pending_backward"] == (4 if name == "zb-h1" else 7)
+    # the default binds nowhere; the smallest value costs bubble
+    assert check_schedule(BUILDERS[name](4, 8, max_pending_backward=1)).makespan == 30
+
+
+@pytest.mark.parametrize("name", ["zb-h1", "zb-h2"])
+@pytest.mark.parametrize("bad", [0, -2, 1.5, True, "3"])
+def test_bad_max_pending_backward_is_rejected(name, bad):
+    with pytest.raises(ScheduleError, match=r"max_pending_backward=.* must be an integer >= 1"):
+        BUILDERS[name](4, 8, max_pending_backward=bad)
+
+
+@pytest.mark.parametrize("name,bad_chunks", [("zb-h1", 2), ("zb-h2", 2), ("zb-v", 1),
+                                             ("zb-v", 3), ("dualpipev", 4)])
+def test_wrong_chunks_are_rejected(name, bad_chunks):
+    with pytest.raises(ScheduleError, match=f"chunks v={bad_chunks}"):
+        BUILDERS[name](4, 8, chunks=bad_chunks)
+
+
+@pytest.mark.parametrize("name", BUILDERS)
+def test_bad_sizes_are_rejected(name):
+    with pytest.raises(ScheduleError, match="p=0"):
+        BUILDERS[name](0, 8)
+    with pytest.raises(ScheduleError, match="m=0"):
+        BUILDERS[name](4, 0)
+
+
+def test_list_scheduler_reports_when_stuck():
+    with pytest.raises(StuckError, match="stuck at slot 0"):
+        merge_streams((0, 1), 2, [[[(0, "F")] * 2, [(0, "I")] * 2], [[(1, "F")] * 2,
+                                                                      [(1, "I")] * 2]],
+                      kind_first("FIW"), live_cap=[0, 1])
