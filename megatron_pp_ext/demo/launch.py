@@ -11,15 +11,17 @@ finished; their Python stacks are dumped to stderr first, so a hang shows where 
 
 Processes start from a ``forkserver`` that has already imported torch and Megatron-Core (a
 Megatron import costs ~5 s of CPU per process otherwise), so a 4-rank run starts in well under
-a second after the first one. Each rank uses one torch thread.
+a second after the first one. Each rank uses one torch thread. Forked ranks cannot initialize
+CUDA (torch refuses in a forked child); the demo runs on the CPU anyway (``init_megatron``
+forces the CPU shims), and ``start_method="spawn"`` is there for anything that needs a GPU.
 """
 
 from __future__ import annotations
 
 import datetime
 import faulthandler
-import multiprocessing as mp
 import io
+import multiprocessing as mp
 import os
 import queue as queue_mod
 import signal

@@ -12,7 +12,10 @@ helpers that merge and compare what the ranks return.
 "megatron": whatever ``get_forward_backward_func()`` picks; "sequential": a schedule-free
 oracle that runs every microbatch through all stages one at a time, for any layout), an
 importable "module:function" path, or a callable with Megatron's ``forward_backward_func``
-keyword signature (e.g. the plugin's). Callables must be module-level to cross processes.
+keyword signature (e.g. the plugin's ``ScheduleFunction("zb-v")``). Callables must be
+picklable (module-level functions or instances of module-level classes) to cross processes.
+``run_steps`` runs several such steps in the same processes (one launch, Megatron re-initialized
+in between), e.g. Megatron's schedule and the plugin's side by side.
 """
 
 from __future__ import annotations
