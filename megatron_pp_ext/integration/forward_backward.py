@@ -21,6 +21,7 @@ from ..ir import Schedule
 from ..runtime.executor import Executor, StepResult
 from ..runtime.transport import TorchDistTransport
 from ..schedules import build_schedule, get_spec
+from .loss_relay import needs_relay, relay_losses
 from .megatron_stage import GradSync, MegatronStageWork
 from .options import PipelineOptions
 
@@ -166,6 +167,8 @@ def forward_backward_pipelining(
 
     STATE.last_step, STATE.last_schedule = result, schedule
     STATE.steps_run += 1
+    if needs_relay(schedule):
+        return relay_losses(work.forward_data_store, schedule, rank, pp_group, transport.device)
     return work.forward_data_store if last_stage_here else []
 
 
