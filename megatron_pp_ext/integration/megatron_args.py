@@ -1,0 +1,209 @@
+"""Megatron-LM command-line arguments for the plugin.
+
+Two functions connect a Megatron-LM training script to the plugin:
+
+- ``add_pipeline_schedule_args(parser)`` is an ``extra_args_provider``: it adds the argument group
+  "pipeline schedule (megatron-pp-ext)" and returns the parser.
+- ``install_from_args(args)`` takes the *validated* Megatron arguments (after
+  ``parse_and_validate_args``, which works out ``virtual_pipeline_model_parallel_size``), checks
+  that the schedule fits the model chunks Megatron will build, and calls
+  ``megatron_pp_ext.install(...)``. It returns whether it installed anything.
+
+Without ``--pipeline-schedule`` (and without ``$MEGATRON_PP_SCHEDULE``) nothing changes: Megatron
+keeps its own schedule.
+
+How the schedule maps onto Megatron's model chunks (Megatron builds
+``virtual_pipeline_model_parallel_size`` chunks per rank, or one chunk when it is unset):
+
+=================================  ======================================================
+gpipe, 1f1b, zb-h1, zb-h2          one chunk per rank: no virtual-pipeline arguments
+interleaved                        v >= 2 chunks: ``--num-virtual-stages-per-pipeline-rank V``
+                                   or ``--num-layers-per-virtual-pipeline-stage N``
+zb-v, dualpipev                    exactly 2 chunks (V layout):
+                                   ``--num-virtual-stages-per-pipeline-rank 2``
+auto                               reserved: refused until the registry resolves "auto"
+=================================  ======================================================
+
+Caveat for zb-v / dualpipev: Megatron-LM builds chunk c of rank r as stage c*p + r, with the
+embedding on (rank 0, chunk 0) and the loss on (rank p-1, chunk 1); its pipeline layouts insist
+on that order. The V layout wants stage 2p-1-r in chunk 1 of rank r (loss on rank 0), so the
+model chunks must be built for it: this module checks only that there are two.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+GROUP_TITLE = "pipeline schedule (megatron-pp-ext)"
+ENV_SCHEDULE = "MEGATRON_PP_SCHEDULE"
+AUTO = "auto"
+
+_VP_FLAGS = "--num-virtual-stages-per-pipeline-rank / --num-layers-per-virtual-pipeline-stage"
+
+
+def schedule_choices() -> list[str]:
+    """The values ``--pipeline-schedule`` accepts: every registered schedule, then ``auto``."""
+    from ..schedules import schedule_names
+
+    names = schedule_names()
+    return names if AUTO in names else [*names, AUTO]
+
+
+def _positive(kind):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a {kind.__name__}") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its errors
+    return parse
+
+
+def add_pipeline_schedule_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Megatron-LM ``extra_args_provider``: add the plugin's arguments and return the parser.
+
+    Help texts avoid '%': Megatron's parser formats them with argparse's %-substitution.
+    """
+    group = parser.add_argument_group(title=GROUP_TITLE)
+    group.add_argument(
+        "--pipeline-schedule", choices=schedule_choices(), default=os.environ.get(ENV_SCHEDULE),
+        help="Replace Megatron's forward_backward_func with this megatron-pp-ext schedule. "
+        f"Default: ${ENV_SCHEDULE} if set, else none (Megatron's own schedule, untouched).",
+    )
+    group.add_argument(
+        "--pp-schedule-chunks", type=_positive(int), default=None,
+        help="Model chunks per rank the schedule runs. Default: Megatron's "
+        "virtual-pipeline size (interleaved), 2 (zb-v, dualpipev) or 1; if given it must agree.",
+    )
+    group.add_argument(
+        "--pp-max-pending-backward", type=_positive(int), default=None,
+        help="Schedules that split the backward (zb-*, dualpipev): at most N input-gradient "
+        "backwards per rank whose weight gradient has not run yet; smaller holds less memory. "
+        "Default: the schedule's own bound (zb-h1: p, zb-h2: 2p-1).",
+    )
+    group.add_argument(
+        "--pp-p2p-timeout-s", type=_positive(float), default=None,
+        help="Seconds a pipeline send/recv may wait before it fails naming rank, peer and action.",
+    )
+    group.add_argument(
+        "--pp-trace", action="store_true",
+        help="Record the measured timeline of every step (start/end of each action per rank).",
+    )
+    return parser
+
+
+def _model_chunks(args: Any) -> int:
+    """Model chunks per rank that Megatron builds from these (validated) arguments."""
+    if hasattr(args, "virtual_pipeline_model_parallel_size"):  # set by validate_args
+        return int(args.virtual_pipeline_model_parallel_size or 1)
+    # Not validated yet: derive it the way Megatron's validate_args does.
+    vp = getattr(args, "num_virtual_stages_per_pipeline_rank", None)
+    per_vstage = getattr(args, "num_layers_per_virtual_pipeline_stage", None)
+    pp = getattr(args, "pipeline_model_parallel_size", 1) or 1
+    num_layers = getattr(args, "num_layers", None)
+    if vp is None and per_vstage and num_layers:
+        vp = num_layers // pp // per_vstage
+    return int(vp or 1)
+
+
+def schedule_options_from_args(args: Any) -> dict | None:
+    """Check the plugin's arguments against Megatron's and return ``install()``'s keyword
+    arguments, or None when no schedule is asked for. Raises ValueError naming the fix."""
+    name = getattr(args, "pipeline_schedule", None)
+    if not name:
+        return None
+    choices = schedule_choices()
+    if name not in choices:  # e.g. a typo in $MEGATRON_PP_SCHEDULE, which argparse never checks
+        raise ValueError(
+            f"--pipeline-schedule / ${ENV_SCHEDULE}={name!r} is not a schedule: "
+            f"choose one of {', '.join(choices)}"
+        )
+    from ..schedules import REGISTRY
+
+    if name not in REGISTRY:  # "auto", until the registry resolves it
+        raise ValueError(
+            f"--pipeline-schedule {name}: megatron_pp_ext.install() takes only a named schedule "
+            f"so far; pass one of {', '.join(REGISTRY)}"
+        )
+    spec = REGISTRY[name]
+    pp = getattr(args, "pipeline_model_parallel_size", 1) or 1
+    built = _model_chunks(args)
+    asked = getattr(args, "pp_schedule_chunks", None)
+
+    if spec.layout == "v":
+        need = 2
+        how = ("add --num-virtual-stages-per-pipeline-rank 2: the V layout puts stages r and "
+               "2p-1-r on rank r, two chunks per rank")
+    elif spec.allowed_chunks(1):
+        need, how = 1, f"remove {_VP_FLAGS} (or use --pipeline-schedule interleaved)"
+    else:  # several chunks per rank in the loop layout (interleaved)
+        if not spec.allowed_chunks(built):
+            raise ValueError(
+                f"--pipeline-schedule {name} needs v >= 2 model chunks per rank, but Megatron "
+                f"builds {built}: add --num-virtual-stages-per-pipeline-rank V (V >= 2) or "
+                f"--num-layers-per-virtual-pipeline-stage N (num_layers / pp / N >= 2)"
+            )
+        need, how = built, f"set {_VP_FLAGS} so Megatron builds that many chunks"
+
+    pending = getattr(args, "pp_max_pending_backward", None)
+    if pending is not None and not spec.split_backward:
+        split = [n for n, other in REGISTRY.items() if other.split_backward]
+        raise ValueError(
+            f"--pp-max-pending-backward {pending} applies only to schedules that split the "
+            f"backward into input and weight gradients ({', '.join(split)}), not to {name}: "
+            "drop it or pick one of those"
+        )
+    if asked is not None and asked != need:
+        raise ValueError(
+            f"--pp-schedule-chunks {asked} does not fit --pipeline-schedule {name}, "
+            f"which runs {need} chunk(s) per rank here: drop --pp-schedule-chunks or {how}"
+        )
+    if built != need:
+        raise ValueError(
+            f"--pipeline-schedule {name} runs {need} model chunk(s) per rank but Megatron builds "
+            f"{built} (pipeline-model-parallel size {pp}, virtual-pipeline size "
+            f"{getattr(args, 'virtual_pipeline_model_parallel_size', None)}): {how}"
+        )
+
+    return dict(
+        schedule=name,
+        chunks=need if need > 1 else asked,
+        max_pending_backward=pending,
+        microbatch_group_size_per_vp_stage=getattr(args, "microbatch_group_size_per_vp_stage", None),
+        p2p_timeout_s=getattr(args, "pp_p2p_timeout_s", None),
+        trace=bool(getattr(args, "pp_trace", False)),
+    )
+
+
+def install_from_args(args: Any) -> bool:
+    """Install the schedule named by ``args.pipeline_schedule``; return whether it installed.
+
+    Call it on every rank after Megatron has parsed and validated its arguments and before
+    ``train()`` first asks for ``get_forward_backward_func()``.
+    """
+    options = schedule_options_from_args(args)
+    if options is None:
+        return False
+    from .. import install  # lazily: install() patches megatron.core / megatron.training
+
+    install(**options)
+    return True
+
+
+def chain_args_providers(*providers):
+    """One ``extra_args_provider`` that applies each given provider in turn (None entries are
+    skipped), e.g. ``chain_args_providers(add_modelopt_args, add_pipeline_schedule_args)``."""
+    chain = [p for p in providers if p is not None]
+
+    def provider(parser):
+        for add in chain:
+            parser = add(parser)
+        return parser
+
+    return provider

@@ -1,0 +1,323 @@
+"""Megatron-LM arguments of the plugin: a plain argparse parser, Megatron's own parser, and the
+check that ``install_from_args`` reaches the ``get_forward_backward_func`` that Megatron-LM's
+training loop bound at import time."""
+
+import argparse
+import importlib.util
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from megatron_pp_ext.integration.megatron_args import (
+    ENV_SCHEDULE,
+    GROUP_TITLE,
+    add_pipeline_schedule_args,
+    install_from_args,
+    schedule_choices,
+    schedule_options_from_args,
+)
+from megatron_pp_ext.schedules import schedule_names
+
+HAS_MEGATRON_TRAINING = importlib.util.find_spec("megatron.training") is not None
+needs_megatron_training = pytest.mark.skipif(
+    not HAS_MEGATRON_TRAINING, reason="megatron.training is not importable"
+)
+
+
+def _plain_parser(monkeypatch):
+    monkeypatch.delenv(ENV_SCHEDULE, raising=False)
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    assert add_pipeline_schedule_args(parser) is parser
+    return parser
+
+
+def _args(**overrides):
+    base = dict(pipeline_schedule=None, pp_schedule_chunks=None, pp_max_pending_backward=None,
+                pp_p2p_timeout_s=None, pp_trace=False, pipeline_model_parallel_size=4,
+                virtual_pipeline_model_parallel_size=None, microbatch_group_size_per_vp_stage=None)
+    base.update(overrides)
+    return SimpleNamespace(**base)
+
+
+# --- plain argparse ------------------------------------------------------------------------
+
+
+def test_choices_are_the_registry_plus_auto():
+    assert schedule_choices() == [*schedule_names(), "auto"]
+    assert {"gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v", "dualpipev"} <= set(
+        schedule_names())
+
+
+def test_defaults_leave_megatron_alone(monkeypatch):
+    args = _plain_parser(monkeypatch).parse_args([])
+    assert args.pipeline_schedule is None
+    assert (args.pp_schedule_chunks, args.pp_max_pending_backward, args.pp_p2p_timeout_s) == (
+        None, None, None)
+    assert args.pp_trace is False
+    assert schedule_options_from_args(args) is None
+    assert install_from_args(args) is False
+
+
+def test_group_and_values_parse(monkeypatch):
+    parser = _plain_parser(monkeypatch)
+    assert GROUP_TITLE in [g.title for g in parser._action_groups]
+    assert "--pipeline-schedule" in parser.format_help()  # help strings format cleanly
+    args = parser.parse_args(["--pipeline-schedule", "zb-h1", "--pp-max-pending-backward", "3",
+                              "--pp-p2p-timeout-s", "12.5", "--pp-trace",
+                              "--pp-schedule-chunks", "1"])
+    assert (args.pipeline_schedule, args.pp_max_pending_backward, args.pp_p2p_timeout_s,
+            args.pp_trace, args.pp_schedule_chunks) == ("zb-h1", 3, 12.5, True, 1)
+
+
+@pytest.mark.parametrize("argv", [
+    ["--pipeline-schedule", "pipedream"],
+    ["--pp-max-pending-backward", "0"],
+    ["--pp-max-pending-backward", "two"],
+    ["--pp-p2p-timeout-s", "-1"],
+    ["--pp-schedule-chunks", "0"],
+])
+def test_bad_values_are_rejected_by_argparse(monkeypatch, capsys, argv):
+    with pytest.raises(SystemExit):
+        _plain_parser(monkeypatch).parse_args(argv)
+    assert "error" in capsys.readouterr().err
+
+
+def test_env_gives_the_default_and_the_flag_wins(monkeypatch):
+    monkeypatch.setenv(ENV_SCHEDULE, "gpipe")
+    parser = add_pipeline_schedule_args(argparse.ArgumentParser())
+    assert parser.parse_args([]).pipeline_schedule == "gpipe"
+    assert parser.parse_args(["--pipeline-schedule", "1f1b"]).pipeline_schedule == "1f1b"
+
+
+def test_bad_env_schedule_is_a_value_error():
+    with pytest.raises(ValueError, match="MEGATRON_PP_SCHEDULE.*choose one of"):
+        schedule_options_from_args(_args(pipeline_schedule="1f1f"))
+
+
+# --- schedule versus Megatron's model chunks -----------------------------------------------
+
+
+def test_options_passed_to_install():
+    opts = schedule_options_from_args(_args(
+        pipeline_schedule="interleaved", virtual_pipeline_model_parallel_size=3,
+        microbatch_group_size_per_vp_stage=4, pp_p2p_timeout_s=9.0, pp_trace=True))
+    assert opts == dict(schedule="interleaved", chunks=3, max_pending_backward=None,
+                        microbatch_group_size_per_vp_stage=4, p2p_timeout_s=9.0, trace=True)
+    assert schedule_options_from_args(_args(pipeline_schedule="1f1b"))["chunks"] is None
+    for name in ("zb-v", "dualpipev"):
+        opts = schedule_options_from_args(_args(pipeline_schedule=name,
+                                                virtual_pipeline_model_parallel_size=2))
+        assert opts["chunks"] == 2
+
+
+def test_interleaved_without_virtual_pipeline_says_which_flag():
+    with pytest.raises(ValueError, match="--num-virtual-stages-per-pipeline-rank"):
+        schedule_options_from_args(_args(pipeline_schedule="interleaved"))
+
+
+@pytest.mark.parametrize("name", ["zb-v", "dualpipev"])
+@pytest.mark.parametrize("vp", [None, 3])
+def test_v_schedules_need_two_chunks(name, vp):
+    with pytest.raises(ValueError, match="--num-virtual-stages-per-pipeline-rank 2"):
+        schedule_options_from_args(_args(pipeline_schedule=name,
+                                         virtual_pipeline_model_parallel_size=vp))
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb-h1", "zb-h2"])
+def test_single_chunk_schedules_refuse_virtual_pipeline(name):
+    with pytest.raises(ValueError, match="interleaved"):
+        schedule_options_from_args(_args(pipeline_schedule=name,
+                                         virtual_pipeline_model_parallel_size=2))
+
+
+def test_max_pending_backward_only_for_split_backward_schedules():
+    with pytest.raises(ValueError, match="--pp-max-pending-backward 2 applies only.*zb-h1"):
+        schedule_options_from_args(_args(pipeline_schedule="1f1b", pp_max_pending_backward=2))
+    opts = schedule_options_from_args(_args(pipeline_schedule="zb-h2", pp_max_pending_backward=2))
+    assert opts["max_pending_backward"] == 2
+
+
+def test_chunks_flag_must_agree():
+    with pytest.raises(ValueError, match="--pp-schedule-chunks 3"):
+        schedule_options_from_args(_args(pipeline_schedule="interleaved",
+                                         virtual_pipeline_model_parallel_size=2,
+                                         pp_schedule_chunks=3))
+    with pytest.raises(ValueError, match="--pp-schedule-chunks 2"):
+        schedule_options_from_args(_args(pipeline_schedule="1f1b", pp_schedule_chunks=2))
+
+
+def test_unvalidated_args_derive_chunks_like_megatron():
+    args = _args(pipeline_schedule="interleaved", num_virtual_stages_per_pipeline_rank=None,
+                 num_layers_per_virtual_pipeline_stage=1, num_layers=8)
+    del args.virtual_pipeline_model_parallel_size  # as after parse_args, before validate_args
+    assert schedule_options_from_args(args)["chunks"] == 2
+
+
+# --- through Megatron-LM's own parser --------------------------------------------------------
+
+MEGATRON_ARGV = [
+    "pretrain_gpt.py", "--num-layers", "8", "--hidden-size", "64", "--num-attention-heads", "4",
+    "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "1",
+    "--global-batch-size", "8", "--train-iters", "2", "--lr", "1e-3", "--mock-data",
+    "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
+    "--pipeline-model-parallel-size", "4",
+]
+
+
+def _megatron_args(monkeypatch, extra, validate=True, ignore_unknown_args=False):
+    from megatron.training.arguments import parse_args, validate_args
+
+    monkeypatch.delenv(ENV_SCHEDULE, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "4")  # validate_args reads the world size from the env
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(sys, "argv", MEGATRON_ARGV + extra)
+    args = parse_args(extra_args_provider=add_pipeline_schedule_args,
+                      ignore_unknown_args=ignore_unknown_args)
+    if validate:
+        validate_args(args)
+    return args
+
+
+@needs_megatron_training
+def test_megatron_parse_args_accepts_the_group(monkeypatch):
+    args = _megatron_args(monkeypatch, [
+        "--pipeline-schedule", "zb-h2", "--pp-max-pending-backward", "6", "--pp-trace",
+        "--pp-p2p-timeout-s", "30", "--some-unknown-flag"], validate=False,
+        ignore_unknown_args=True)
+    assert (args.pipeline_schedule, args.pp_max_pending_backward, args.pp_trace,
+            args.pp_p2p_timeout_s) == ("zb-h2", 6, True, 30.0)
+    assert args.pipeline_model_parallel_size == 4  # Megatron's own flags still parse
+
+
+@needs_megatron_training
+def test_megatron_parse_args_default_is_megatron_schedule(monkeypatch):
+    args = _megatron_args(monkeypatch, [])
+    assert args.pipeline_schedule is None
+    assert install_from_args(args) is False
+
+
+@needs_megatron_training
+@pytest.mark.parametrize("vp_flags", [["--num-virtual-stages-per-pipeline-rank", "2"],
+                                      ["--num-layers-per-virtual-pipeline-stage", "1"]])
+def test_megatron_validated_interleaved(monkeypatch, vp_flags):
+    args = _megatron_args(monkeypatch, ["--pipeline-schedule", "interleaved",
+                                        "--microbatch-group-size-per-virtual-pipeline-stage", "4",
+                                        *vp_flags])
+    assert args.virtual_pipeline_model_parallel_size == 2
+    opts = schedule_options_from_args(args)
+    assert (opts["chunks"], opts["microbatch_group_size_per_vp_stage"]) == (2, 4)
+
+
+@needs_megatron_training
+def test_megatron_validated_interleaved_without_vp_fails_early(monkeypatch):
+    args = _megatron_args(monkeypatch, ["--pipeline-schedule", "interleaved"])
+    with pytest.raises(ValueError, match="needs v >= 2"):
+        install_from_args(args)
+
+
+def _plugin_install():
+    import megatron_pp_ext
+
+    if not (hasattr(megatron_pp_ext, "install") and hasattr(megatron_pp_ext, "uninstall")):
+        pytest.skip("megatron_pp_ext.install()/uninstall() are not written yet "
+                    "(megatron_pp_ext/integration/install.py)")
+    return megatron_pp_ext
+
+
+@needs_megatron_training
+@pytest.mark.parametrize("schedule,extra,vp", [
+    ("1f1b", [], None),
+    ("interleaved", ["--num-virtual-stages-per-pipeline-rank", "2"], 2),
+])
+def test_training_loop_gets_the_plugin_function(monkeypatch, schedule, extra, vp):
+    plugin = _plugin_install()
+    import megatron.training.training as training
+
+    megatron_fn = training.get_forward_backward_func(pp_size=4, vp_size=vp)
+    assert not megatron_fn.__module__.startswith("megatron_pp_ext")
+    args = _megatron_args(monkeypatch, ["--pipeline-schedule", schedule, *extra])
+    try:
+        assert install_from_args(args) is True
+        # The name that megatron/training/training.py bound at import time.
+        fn = training.get_forward_backward_func(pp_size=4, vp_size=vp)
+        assert fn.__module__.startswith("megatron_pp_ext"), fn
+    finally:
+        plugin.uninstall()
+    assert training.get_forward_backward_func(pp_size=4, vp_size=vp) is megatron_fn
+
+
+# --- scripts/pretrain_gpt_pp.py and the patched pretrain_gpt.py, with a Megatron-LM checkout ---
+
+_SCRIPT_HARNESS = r"""
+import json, runpy, sys
+import megatron.training
+calls = []
+megatron.training.pretrain = lambda *a, **k: calls.append((a, k))  # stop before CUDA/NCCL
+sys.argv = [SCRIPT] + json.loads(sys.argv[1])
+runpy.run_path(SCRIPT, run_name="__main__")
+(cfg, datasets, model_type, forward_step), kwargs = calls[0]
+from megatron.training import get_args
+import megatron.training.training as training
+args = get_args()
+fn = training.get_forward_backward_func(pp_size=args.pipeline_model_parallel_size,
+                                        vp_size=args.virtual_pipeline_model_parallel_size)
+print("RESULT", json.dumps(dict(forward_step=forward_step.__module__,
+                                datasets=datasets.__module__, schedule=args.pipeline_schedule,
+                                embedding_ranks=kwargs["get_embedding_ranks"].__name__,
+                                fb_module=fn.__module__)))
+"""
+
+
+@pytest.mark.skipif(not __import__("os").environ.get("MEGATRON_LM_PATH"),
+                    reason="set MEGATRON_LM_PATH to a Megatron-LM core_r0.19.0 checkout")
+@pytest.mark.parametrize("script", ["wrapper", "patched"])
+@pytest.mark.parametrize("how", [None, "env", "flag"])
+def test_scripts_call_pretrain_like_pretrain_gpt(tmp_path, script, how):
+    """scripts/pretrain_gpt_pp.py, and pretrain_gpt.py with patches/pretrain_gpt_core_r0.19.0.patch
+    applied, run up to pretrain() (replaced: it needs CUDA): pretrain_gpt's own providers, and
+    the plugin's forward_backward_func exactly when a schedule is asked for."""
+    import json
+    import os
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    if how:
+        _plugin_install()
+    repo = Path(__file__).resolve().parents[1]
+    megatron_lm = Path(os.environ["MEGATRON_LM_PATH"])
+    if script == "wrapper":
+        path = repo / "scripts" / "pretrain_gpt_pp.py"
+    else:
+        if not shutil.which("patch"):
+            pytest.skip("no `patch` program")
+        shutil.copy(megatron_lm / "pretrain_gpt.py", tmp_path / "pretrain_gpt.py")
+        subprocess.run(["patch", "-p1", "-i", str(repo / "patches" / "pretrain_gpt_core_r0.19.0.patch")],
+                       cwd=tmp_path, check=True, capture_output=True)
+        path = tmp_path / "pretrain_gpt.py"
+    env = dict(os.environ, WORLD_SIZE="4", RANK="0",
+               PYTHONPATH=os.pathsep.join([str(megatron_lm), os.environ.get("PYTHONPATH", "")]))
+    env.pop(ENV_SCHEDULE, None)
+    argv = MEGATRON_ARGV[1:]
+    if how == "env":
+        env[ENV_SCHEDULE] = "1f1b"
+    elif how == "flag":
+        argv = argv + ["--pipeline-schedule", "1f1b"]
+    code = f"SCRIPT = {str(path)!r}\n" + _SCRIPT_HARNESS
+    proc = subprocess.run([sys.executable, "-W", "ignore", "-c", code, json.dumps(argv)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.split("RESULT ", 1)[1].splitlines()[0])
+    own = "pretrain_gpt" if script == "wrapper" else "__main__"
+    assert result["forward_step"] == result["datasets"] == own
+    assert result["embedding_ranks"] == "get_embedding_ranks"
+    assert result["schedule"] == ("1f1b" if how else None)
+    assert result["fb_module"].startswith("megatron_pp_ext") == bool(how)
+
+
+def test_auto_is_refused_clearly_until_the_registry_has_it():
+    if "auto" in schedule_names():
+        pytest.skip("the registry resolves 'auto' itself")
+    with pytest.raises(ValueError, match="auto.*named schedule"):
+        schedule_options_from_args(_args(pipeline_schedule="auto"))
