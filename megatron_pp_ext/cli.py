@@ -11,7 +11,7 @@ import importlib
 import os
 import sys
 
-COMMANDS = ["simulate", "demo"]
+COMMANDS = ["simulate", "demo", "select"]
 
 
 class _Parser(argparse.ArgumentParser):

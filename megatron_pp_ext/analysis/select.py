@@ -1,0 +1,205 @@
+"""Pick a schedule: rank every candidate by its predicted step time, among those that fit
+a per-rank activation-memory budget, and say why each other one was left out.
+
+    selection = select_schedules(4, 16, CostModel(t_f=20, t_i=20, t_w=20, t_comm=0.5),
+                                 activation_bytes=64 * MiB, memory_budget_bytes=512 * MiB)
+    selection.ranked[0]        # Ranked(name='zb-v', chunks=2, makespan=..., bubble=..., ...)
+    selection.excluded         # [Excluded(name='gpipe', chunks=1, reason='peak 16 x 64 MiB ...')]
+
+What the inputs mean
+--------------------
+Costs are those of one microbatch on one *rank*, i.e. on the whole part of the model that a
+rank holds (its ``L/p`` layers): ``t_f`` the forward, ``t_i`` the input-gradient half of the
+backward, ``t_w`` the weight-gradient half, ``t_b`` a full backward (default ``t_i + t_w``).
+Each is one number or a list with one number per rank (uneven stages). ``t_comm`` is the time
+one activation or gradient message takes to arrive; it does not depend on the schedule.
+
+A schedule with ``v`` model chunks per rank (``interleaved`` v=2,3,4; ``zb-v`` and
+``dualpipev``, whose V layout has v=2) splits each rank's part into ``v`` chunks of ``L/(p v)``
+layers, so one chunk's F/I/W/B costs ``1/v`` of the rank's cost and holds ``1/v`` of its
+activation. The total work per rank is the same for every candidate; what differs is how
+well it is packed (the bubble) and how many activations are alive at once.
+
+``activation_bytes`` is what one microbatch's forward leaves alive on one rank (for the whole
+``L/p`` layers, v=1), ``memory_budget_bytes`` what a rank can spend on activations (its
+memory less weights, gradients and optimizer state). A rank's peak is its peak count of live
+chunk-activations (``validate.activation_trace``: an activation lives from the end of its F to
+the end of its B, or of its W under a split backward -- conservative, as the I already frees
+part of it) times ``activation_bytes / v``. A candidate fits when the largest peak over the
+ranks is within the budget.
+
+What is ranked
+--------------
+The single-step makespan of the simulator (``simulate``): the time from the first forward of
+a step to the last backward (or W) of the step, on any rank. Consecutive steps do not overlap
+in Megatron-LM training: the optimizer step, with its gradient-norm and (for fp16) inf-check
+all-reduces over the model-parallel group, synchronizes every pipeline rank between two steps,
+so a schedule whose shape would let the next step's warmup run under this step's cooldown
+(zb-h2's parallelogram) does not gain that overlap; the single-step makespan is what a step
+measures. Ties (same makespan) go to the smaller peak, then the name. Everything outside the
+pipeline (optimizer, data-parallel gradient reduction) is the same for every candidate and is
+left out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, NamedTuple, Sequence
+
+from ..ir import ScheduleError
+from ..schedules import REGISTRY, build_schedule, get_spec
+from .simulate import CostModel, simulate
+
+MiB = 1024 * 1024
+
+
+class Ranked(NamedTuple):
+    name: str
+    chunks: int  # v: model chunks per rank
+    makespan: float  # predicted step time, in the unit of the costs
+    bubble: float  # idle fraction of ranks x makespan
+    peak_bytes: float  # largest activation memory over the ranks
+
+
+class Excluded(NamedTuple):
+    name: str
+    chunks: int
+    reason: str
+
+
+@dataclass
+class Selection:
+    ranked: list[Ranked]  # fits the budget; fastest first
+    excluded: list[Excluded]
+    num_ranks: int
+    num_microbatches: int
+    costs: CostModel
+    activation_bytes: float
+    memory_budget_bytes: float
+    #: per candidate (name, v) that was simulated: peak chunk-activations per rank
+    peak_activations: dict[tuple[str, int], list[int]] = field(default_factory=dict)
+
+    @property
+    def best(self) -> Ranked | None:
+        return self.ranked[0] if self.ranked else None
+
+    def to_dict(self) -> dict:
+        return {
+            "ranks": self.num_ranks,
+            "microbatches": self.num_microbatches,
+            "costs": {k: getattr(self.costs, k) for k in ("t_f", "t_i", "t_w", "t_b", "t_comm")},
+            "activation_bytes": self.activation_bytes,
+            "memory_budget_bytes": self.memory_budget_bytes,
+            "ranked": [
+                {**r._asdict(), "peak_activations": self.peak_activations[(r.name, r.chunks)]}
+                for r in self.ranked
+            ],
+            "excluded": [e._asdict() for e in self.excluded],
+        }
+
+
+def format_bytes(value: float) -> str:
+    """``448 MiB``, ``21.33 MiB``: MiB with at most two decimals, trailing zeros dropped."""
+    text = f"{value / MiB:.2f}".rstrip("0").rstrip(".")
+    return f"{text} MiB"
+
+
+def chunk_costs(costs: CostModel, chunks: int) -> CostModel:
+    """Per-rank costs -> the costs of one of ``chunks`` equal chunks (t_comm unchanged)."""
+    def scale(value):
+        if value is None:
+            return None
+        if isinstance(value, (int, float)):
+            return float(value) / chunks
+        return [float(x) / chunks for x in value]
+
+    return CostModel(t_f=scale(costs.t_f), t_i=scale(costs.t_i), t_w=scale(costs.t_w),
+                     t_b=scale(costs.t_b), t_comm=costs.t_comm)
+
+
+def candidate_list(candidates: Iterable | None, chunks_options: Sequence[int]) -> list[tuple[str, int]]:
+    """(name, v) pairs: a name alone expands to its chunk counts (interleaved: every
+    ``chunks_options``; V layouts: 2; others: 1); a (name, v) pair is taken as given."""
+    pairs: list[tuple[str, int]] = []
+    for item in (REGISTRY if candidates is None else candidates):
+        if isinstance(item, (tuple, list)):
+            name, v = item
+            get_spec(name)  # unknown names raise here, with a suggestion
+            pairs.append((name, int(v)))
+            continue
+        spec = get_spec(item)
+        if spec.name == "interleaved":
+            pairs += [(spec.name, int(v)) for v in chunks_options]
+        else:
+            pairs.append((spec.name, spec.default_chunks))
+    return pairs
+
+
+def _check_inputs(num_ranks, num_microbatches, activation_bytes, memory_budget_bytes,
+                  chunks_options) -> None:
+    if not isinstance(num_ranks, int) or num_ranks < 1:
+        raise ValueError(f"num_ranks={num_ranks!r} must be an integer >= 1")
+    if not isinstance(num_microbatches, int) or num_microbatches < 1:
+        raise ValueError(f"num_microbatches={num_microbatches!r} must be an integer >= 1")
+    if not activation_bytes >= 0:
+        raise ValueError(f"activation_bytes={activation_bytes!r} must be >= 0")
+    if not memory_budget_bytes > 0:
+        raise ValueError(f"memory_budget_bytes={memory_budget_bytes!r} must be > 0")
+    bad = [v for v in chunks_options if not isinstance(v, int) or v < 2]
+    if bad:
+        raise ValueError(f"chunks_options={tuple(chunks_options)!r}: interleaved needs v >= 2, "
+                         f"not {bad[0]!r}")
+
+
+def select_schedules(num_ranks: int, num_microbatches: int, costs: CostModel,
+                     activation_bytes: float, memory_budget_bytes: float,
+                     candidates: Iterable | None = None,
+                     chunks_options: Sequence[int] = (2, 3, 4),
+                     options: dict | None = None) -> Selection:
+    """Rank the candidates that fit ``memory_budget_bytes`` by predicted step time.
+
+    ``candidates``: schedule names and/or (name, v) pairs (default: every registered
+    schedule, interleaved at each of ``chunks_options``). ``options``: builder options per
+    schedule name, e.g. ``{"zb-h2": {"max_pending_backward": 5}}``. A candidate that cannot
+    be built (e.g. interleaved with m < p) or that exceeds the budget lands in ``excluded``
+    with the reason. Costs are per rank; see the module docstring.
+    """
+    _check_inputs(num_ranks, num_microbatches, activation_bytes, memory_budget_bytes,
+                  chunks_options)
+    costs = costs or CostModel()
+    for key in ("t_f", "t_i", "t_w", "t_b", "t_comm"):
+        value = getattr(costs, key)
+        if value is None or isinstance(value, (int, float)):
+            if value is not None and value < 0:
+                raise ValueError(f"{key}={value!r} must be >= 0")
+            continue
+        if len(value) != num_ranks or any(x < 0 for x in value):
+            raise ValueError(
+                f"{key}={list(value)!r}: give one number or one number >= 0 per rank "
+                f"({num_ranks}); costs are per rank (a rank's whole part of the model)")
+    options = options or {}
+    ranked, excluded, peaks = [], [], {}
+    for name, v in candidate_list(candidates, chunks_options):
+        try:
+            schedule = build_schedule(name, num_ranks, num_microbatches, v,
+                                      **options.get(name, {}))
+            timeline = simulate(schedule, chunk_costs(costs, v), validate=False)
+        except ScheduleError as exc:
+            excluded.append(Excluded(name, v, " ".join(str(exc).split())))
+            continue
+        per_chunk = activation_bytes / v
+        counts = list(timeline.peak_activations)
+        peaks[(name, v)] = counts
+        worst = max(range(num_ranks), key=lambda r: (counts[r], -r))
+        peak_bytes = counts[worst] * per_chunk
+        if peak_bytes > memory_budget_bytes:
+            what = "" if v == 1 else f" chunk-activations (1/{v} of {format_bytes(activation_bytes)})"
+            excluded.append(Excluded(name, v, (
+                f"peak {counts[worst]} x {format_bytes(per_chunk)}{what} = "
+                f"{format_bytes(peak_bytes)} on rank {worst} exceeds the "
+                f"{format_bytes(memory_budget_bytes)} budget")))
+            continue
+        ranked.append(Ranked(name, v, timeline.makespan, timeline.bubble_fraction, peak_bytes))
+    ranked.sort(key=lambda r: (float(f"{r.makespan:.12g}"), r.peak_bytes, r.name, r.chunks))
+    return Selection(ranked, excluded, num_ranks, num_microbatches, costs, activation_bytes,
+                     memory_budget_bytes, peaks)
