@@ -148,7 +148,7 @@ def forward_backward_pipelining(
     executor = Executor(schedule, rank, transport, work, recv_shape=recv_shape,
                         dtype=config.pipeline_dtype or torch.float32,
                         device=transport.device, timeout_s=timeout, variable_shapes=variable,
-                        trace=options.trace)
+                        trace=options.trace, timers=config.timers)
     result = executor.run()
     grad_sync.finish()
     if weight_split is not None:

@@ -73,6 +73,17 @@ def comm_plan(schedule: Schedule, rank: int) -> list[CommPlan]:
     return plans
 
 
+#: Megatron's P2PCommunicator timer for each of its calls (config.timers, log_level 2)
+MEGATRON_TIMERS = {
+    "send_forward": "forward-send", "recv_forward": "forward-recv",
+    "send_backward": "backward-send", "recv_backward": "backward-recv",
+    "send_forward_recv_backward": "forward-send-backward-recv",
+    "send_backward_recv_forward": "backward-send-forward-recv",
+    "send_forward_recv_forward": "forward-send-forward-recv",
+    "send_backward_recv_backward": "backward-send-backward-recv",
+}
+
+
 def call_name(send: Message | None, recv: Message | None) -> str:
     """Megatron's name for a send and/or receive issued together."""
     parts = []
@@ -139,11 +150,14 @@ class Executor:
     def __init__(self, schedule: Schedule, rank: int, transport, work: StageWork, *,
                  recv_shape: tuple | None, dtype: torch.dtype, device: torch.device,
                  timeout_s: float = 600.0, variable_shapes: bool = False,
-                 trace: bool = False, clock: Callable[[], float] = time.perf_counter):
+                 trace: bool = False, clock: Callable[[], float] = time.perf_counter,
+                 timers=None):
         self.schedule, self.rank, self.transport, self.work = schedule, rank, transport, work
         self.recv_shape, self.dtype, self.device = recv_shape, dtype, device
         self.timeout_s, self.variable_shapes = timeout_s, variable_shapes
         self.trace, self.clock = trace, clock
+        self.timers = timers  # Megatron's config.timers: each call is timed as Megatron does
+        self.open_timers: dict[Message, str] = {}  # receives whose call's timer still runs
         self.actions = schedule.actions[rank]
         self.plans = comm_plan(schedule, rank)
         # Activations are held until a B, or a W, frees them; a forward-only list holds none.
@@ -246,13 +260,20 @@ class Executor:
         """One call for a send and/or a receive; returns the send's handle."""
         if send is None and recv is None:
             return None
-        calls[call_name(send_message if send is not None else None, recv)] += 1
+        name = call_name(send_message if send is not None else None, recv)
+        calls[name] += 1
+        if self.timers is not None:
+            self.timers(MEGATRON_TIMERS[name], log_level=2).start()
         request = None
         if recv is not None:
             request = RecvRequest(recv.peer, self.recv_shape, self.dtype, self.device)
         send_handle, recv_handle = self.transport.exchange(send, request, self.variable_shapes)
         if recv is not None:
             inbox.posted(recv, recv_handle)
+            if self.timers is not None:
+                self.open_timers[recv] = MEGATRON_TIMERS[name]
+        elif self.timers is not None:
+            self.timers(MEGATRON_TIMERS[name]).stop()
         return send_handle
 
     def _take(self, inbox, needed: Message, action: Action, calls, history, events):
@@ -262,6 +283,8 @@ class Executor:
                 self._post(None, None, inbox.next_from(needed.peer), inbox, calls)
             message, handle = inbox.in_flight.pop(needed.peer)
             inbox.stash[message] = self._wait(handle, message, action, history, events)
+            if message in self.open_timers:
+                self.timers(self.open_timers.pop(message)).stop()
         return inbox.stash.pop(needed)
 
     def _wait(self, handle, message: Message, action: Action, history, events) -> torch.Tensor:
