@@ -45,11 +45,13 @@ class GradSync:
         self.grad_sync = None if forward_only else self._per_chunk(config.grad_sync_func)
         self.param_sync = None if forward_only else self._per_chunk(config.param_sync_func)
         self.synced: set[int] = set()
-        # the last action of each chunk that accumulates weight gradients
+        # the actions that accumulate weight gradients, and the last one of each chunk
+        self.weight_actions = [a for a in schedule.actions[rank]
+                               if a.kind not in (FORWARD, BACKWARD_INPUT)]
         self.last_weight_action: dict[int, Action] = {}
-        for action in schedule.actions[rank]:
-            if action.kind not in (FORWARD, BACKWARD_INPUT):
-                self.last_weight_action[schedule.chunk_of(action.stage)] = action
+        for action in self.weight_actions:
+            self.last_weight_action[schedule.chunk_of(action.stage)] = action
+        self.weight_done = 0
         self.first_forward_seen: set[int] = set()
 
     def _per_chunk(self, func):
@@ -94,11 +96,17 @@ class GradSync:
     def after(self, action: Action) -> None:
         if not self.multi or action.kind in (FORWARD, BACKWARD_INPUT):
             return
-        chunk = self.schedule.chunk_of(action.stage)
-        if self.grad_sync is not None and self.last_weight_action.get(chunk) == action:
-            self.enable()
-            self.grad_sync[chunk](self.chunks[chunk].parameters())
-            self.synced.add(chunk)
+        # As Megatron's interleaved schedule: chunk c's grad_sync_func is launched pp_rank
+        # weight-gradient actions after its last one, so ranks launch it at about one time.
+        delayed = self.weight_done - self.rank
+        self.weight_done += 1
+        if self.grad_sync is not None and delayed >= 0:
+            earlier = self.weight_actions[delayed]
+            chunk = self.schedule.chunk_of(earlier.stage)
+            if self.last_weight_action[chunk] == earlier:
+                self.enable()
+                self.grad_sync[chunk](self.chunks[chunk].parameters())
+                self.synced.add(chunk)
         self.disable()
 
     def finish(self) -> None:
@@ -146,8 +154,10 @@ class MegatronStageWork:
     def _chunk(self, stage: int) -> int:
         return self.schedule.chunk_of(stage)
 
-    def forward(self, action: Action, input_tensor):
+    def begin(self, action: Action) -> None:
         self.grad_sync.before(action)
+
+    def forward(self, action: Action, input_tensor):
         chunk, mb = self._chunk(action.stage), action.microbatch
         checkpoint = None
         if self.max_outstanding is not None:
@@ -177,7 +187,6 @@ class MegatronStageWork:
         return output
 
     def backward(self, action: Action, output_grad):
-        self.grad_sync.before(action)
         input_tensor, output = self.saved.pop((action.stage, action.microbatch))
         if action.kind == BACKWARD_INPUT:
             if self.weight_split is None:
@@ -193,7 +202,6 @@ class MegatronStageWork:
 
     def weight(self, action: Action) -> None:
         assert action.kind == BACKWARD_WEIGHT
-        self.grad_sync.before(action)
         self.weight_split.backward_weight(action, self._chunk(action.stage))
         self.grad_sync.after(action)
 

@@ -30,6 +30,9 @@ ACTIVATION, GRADIENT = "forward", "backward"  # what a message carries, in Megat
 
 
 class StageWork(Protocol):
+    # optional: ``begin(action)``, called before the action's inputs are received (hooks
+    # that Megatron runs before its receive, e.g. enabling grad sync for the last backward)
+
     def forward(self, action: Action, input_tensor): ...  # -> output tensor (None on the last stage)
 
     def backward(self, action: Action, output_grad): ...  # B or I -> input gradient (None on stage 0)
@@ -146,6 +149,30 @@ class StepResult:
     events: list[Event] = field(default_factory=list)
 
 
+class PeerLostError(PipelineTimeoutError):
+    """The transport lost its connection to a peer (gloo: "Connection closed by peer" when the
+    peer's process died): raised at once instead of a timeout, naming the same things."""
+
+    def __init__(self, rank: int, peer: int, pending: str, waited_s: float, recent: list[str],
+                 cause: str):
+        super().__init__(rank, peer, pending, waited_s, recent)
+        self.cause = cause
+        history = " ".join(recent[-32:]) or "(none)"
+        self.args = (
+            f"pipeline rank {rank} lost its connection to rank {peer} after {waited_s:.1f} s: "
+            f"pending {pending}. Rank {peer} has most likely died (the transport said: "
+            f"{cause}). Last actions of rank {rank}: {history}",)
+
+
+#: What gloo (and TCP) say when a peer's process is gone.
+_CONNECTION_LOST = ("connection closed", "connection reset", "broken pipe", "connection refused")
+
+
+def connection_lost(exc: BaseException) -> bool:
+    return isinstance(exc, RuntimeError) and any(
+        marker in str(exc).lower() for marker in _CONNECTION_LOST)
+
+
 class Executor:
     def __init__(self, schedule: Schedule, rank: int, transport, work: StageWork, *,
                  recv_shape: tuple | None, dtype: torch.dtype, device: torch.device,
@@ -167,16 +194,18 @@ class Executor:
         history = collections.deque(maxlen=32)
         calls = collections.Counter()
         events: list[Event] = []
+        self._history, self._events = history, events  # for errors and send waits
         local: dict[tuple, object] = {}  # tensors handed between stages of this rank
         unsent: list[tuple] = []  # (send handle, output, message) until the send is done
         inbox = Inbox(incoming_messages(self.schedule, self.rank))
         held = peak = 0
         n = len(self.actions)
-        if n and self.plans[0].recv is not None:
-            self._post(None, None, inbox.to_post(self.plans[0].recv), inbox, calls)
 
+        begin = getattr(self.work, "begin", None)
         for i, action in enumerate(self.actions):
             plan = self.plans[i]
+            if begin is not None:
+                begin(action)
             # ---- inputs
             if plan.recv is not None:
                 received = self._take(inbox, plan.recv, action, calls, history, events)
@@ -212,8 +241,14 @@ class Executor:
             send = (produced, plan.send.peer) if plan.send is not None else None
             if send is not None:
                 self._check_outgoing(produced, plan.send, action)
+            # As Megatron: a send fuses with the next action's receive when they go opposite
+            # ways (send_forward_recv_backward, send_backward_recv_forward); any other
+            # receive is posted when its action starts.
             next_recv = self.plans[i + 1].recv if i + 1 < n else None
-            to_post = inbox.to_post(next_recv) if next_recv is not None else None
+            to_post = None
+            if send is not None and next_recv is not None \
+                    and next_recv.carries != plan.send.carries:
+                to_post = inbox.to_post(next_recv)
             handle = self._post(send, plan.send, to_post, inbox, calls)
             if handle is not None:
                 unsent.append((handle, produced, plan.send))
@@ -267,7 +302,13 @@ class Executor:
         request = None
         if recv is not None:
             request = RecvRequest(recv.peer, self.recv_shape, self.dtype, self.device)
-        send_handle, recv_handle = self.transport.exchange(send, request, self.variable_shapes)
+        try:
+            send_handle, recv_handle = self.transport.exchange(send, request,
+                                                               self.variable_shapes)
+        except RuntimeError as exc:
+            peer = recv.peer if recv is not None else send[1]
+            self._raise_if_lost(exc, peer, f"posting {name} (rank {peer})", 0.0)
+            raise
         if recv is not None:
             inbox.posted(recv, recv_handle)
             if self.timers is not None:
@@ -298,6 +339,18 @@ class Executor:
                 f"tensor of microbatch {message.microbatch} from rank {message.peer}",
                 self.clock() - start, list(history),
             ) from None
+        except RuntimeError as exc:
+            self._raise_if_lost(exc, message.peer, f"{action} (microbatch {action.microbatch}) "
+                                f"waiting for the {message.carries} tensor of microbatch "
+                                f"{message.microbatch} from rank {message.peer}",
+                                self.clock() - start)
+            raise
+        except ValueError as exc:  # the transport's check of a received shape / dtype
+            raise ValueError(
+                f"rank {self.rank}, action {action}, receiving the {message.carries} tensor of "
+                f"microbatch {message.microbatch} from rank {message.peer}: {exc} (the ranks "
+                "must agree on seq_length, micro_batch_size, hidden_size and "
+                "config.pipeline_dtype)") from None
         if self.trace:
             events.append(Event(self.rank, f"wait {action}<-rank {message.peer}", start,
                                 self.clock(), COMM_WAIT))
@@ -332,10 +385,26 @@ class Executor:
             self.work.deallocate(output)
 
     def _finish_send(self, handle, message: Message, history) -> None:
+        start = self.clock()
+        pending = (f"the send of the {message.carries} tensor of microbatch "
+                   f"{message.microbatch} for stage {message.stage} to rank {message.peer}")
         try:
             handle.wait(self.timeout_s, self.transport.poll)
         except TransportTimeout:
-            raise PipelineTimeoutError(
-                self.rank, message.peer,
-                f"the send of the {message.carries} tensor of microbatch {message.microbatch} "
-                f"for stage {message.stage}", self.timeout_s, list(history)) from None
+            raise PipelineTimeoutError(self.rank, message.peer, pending, self.timeout_s,
+                                       list(history)) from None
+        except RuntimeError as exc:
+            self._raise_if_lost(exc, message.peer, pending, self.clock() - start)
+            raise
+        if self.trace:
+            self._events.append(Event(self.rank, f"wait send->rank {message.peer} "
+                                      f"{message.stage}{message.carries[0].upper()}"
+                                      f"{message.microbatch}", start, self.clock(), COMM_WAIT))
+
+    def _raise_if_lost(self, exc: BaseException, peer: int, pending: str,
+                       waited_s: float) -> None:
+        """A lost connection becomes a PeerLostError naming rank, peer and pending action."""
+        if connection_lost(exc):
+            cause = " ".join(str(exc).split())[:300]
+            raise PeerLostError(self.rank, peer, pending, waited_s, list(self._history),
+                                cause) from exc

@@ -110,20 +110,31 @@ class WeightGradSplit:
 
     @staticmethod
     def _warn_undeferred(model_chunks) -> None:
-        from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+        """Warn once, naming each module with a weight-gradient GEMM the split cannot defer
+        (a matrix weight outside Megatron's linear layers and embeddings). Norms, biases and
+        embedding lookups get their (cheap) weight gradients in I, as documented."""
+        from megatron.core.tensor_parallel.layers import (
+            ColumnParallelLinear,
+            RowParallelLinear,
+            VocabParallelEmbedding,
+        )
 
-        deferred = (ColumnParallelLinear, RowParallelLinear)
-        foreign = set()
+        expected = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+                    torch.nn.Embedding)
+        foreign = []
         for chunk in model_chunks:
-            for module in chunk.modules():
-                own = [p for p in module.parameters(recurse=False) if p.requires_grad]
-                if own and not isinstance(module, deferred) and not hasattr(module, "backward_dw"):
-                    foreign.add(type(module).__name__)
+            for name, module in chunk.named_modules():
+                if isinstance(module, expected) or hasattr(module, "backward_dw"):
+                    continue
+                if any(p.requires_grad and p.dim() >= 2
+                       for p in module.parameters(recurse=False)):
+                    kind = type(module)
+                    foreign.append(f"{name} ({kind.__module__}.{kind.__name__})")
         if foreign:
             warnings.warn(
-                "megatron_pp_ext: I/W split: weight gradients of "
-                f"{', '.join(sorted(foreign))} are computed in I (full backward), not deferred "
-                "to W", stacklevel=3)
+                "megatron_pp_ext: I/W split cannot defer the weight gradients of "
+                f"{', '.join(foreign)}: they are computed in I (full backward), not in W",
+                stacklevel=3)
 
     @contextlib.contextmanager
     def capturing(self, action: Action):
