@@ -41,3 +41,21 @@ def free_device_memory(device: torch.device) -> int | None:
         return None
     free, _total = torch.cuda.mem_get_info(device)
     return int(free)
+
+
+def launcher_backend() -> str:
+    """The process-group backend for ranks started by a launcher (torchrun, srun): NCCL where
+    this process sees a GPU and torch has NCCL, else gloo (the CPU)."""
+    if torch.cuda.is_available() and dist.is_available() and dist.is_nccl_available():
+        return "nccl"
+    return "gloo"
+
+
+def bind_local_device(local_rank: int, backend: str) -> torch.device:
+    """Under NCCL, make GPU ``local_rank`` (modulo the GPUs this process sees) the current one
+    and return it; under any other backend, the CPU. Call before init_process_group."""
+    if backend != "nccl":
+        return torch.device("cpu")
+    index = local_rank % torch.cuda.device_count()
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)

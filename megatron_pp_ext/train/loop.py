@@ -1,0 +1,205 @@
+"""One rank's training run, the way Megatron-LM's ``train_step`` does it.
+
+Per rank: Megatron's parallel state (pp, and vp for two or more chunks per rank), this rank's
+chunks of the tiny Megatron-Core ``GPTModel`` (``demo.tiny_gpt``; the V layout for zb-v and
+dualpipev), Megatron's ``DistributedDataParallel`` and hooks, Megatron's optimizer (Adam, fp32,
+``get_megatron_optimizer``), then ``megatron_pp_ext.install(schedule, trace=...)``. Every step:
+
+    for chunk in model: chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    forward_backward_func = get_forward_backward_func()     # Megatron's selector -> the plugin
+    losses = forward_backward_func(forward_step_func=..., data_iterator=..., model=model, ...)
+    optimizer.step()
+
+Rank 0 gathers the step's loss, measured timeline and peak activations, prints the step's
+line, and at the end writes summary.json, timeline.html and trace.json into ``--out``.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from .. import device as device_helper
+from .cpu_optimizer import apply_cpu_optimizer_shims
+from .data import counting_batches
+from .measure import StepMeasurement, gather_step, unit_cost_bubble
+from .progress import Progress, format_step
+from .report import write_outputs
+from .settings import TrainSettings
+
+
+def train_rank(rank: int, world_size: int, settings: TrainSettings, launcher: str = "local",
+               device: torch.device | None = None) -> dict | None:
+    """Train on this rank (the process group is already initialized). Returns the summary on
+    rank 0, None elsewhere. A ``demo.launch.spawn`` target."""
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
+
+    import megatron_pp_ext
+    from megatron_pp_ext.demo.tiny_gpt import forward_step_func
+    from megatron_pp_ext.integration.forward_backward import STATE
+
+    # Megatron-Core 0.19.2 logs that GPTModel is deprecated in favour of HybridModel: known.
+    logging.getLogger("megatron.core.models.gpt.gpt_model").setLevel(logging.ERROR)
+    device = device or torch.device("cpu")
+    backend = device_helper.backend_of()
+    talk = rank == 0
+    started = time.perf_counter()
+
+    model, optimizer, cfg = _build(settings, device, backend)
+    pp_group = parallel_state.get_pipeline_model_parallel_group()
+    dp_size = parallel_state.get_data_parallel_world_size()
+    dp_rank = parallel_state.get_data_parallel_rank()
+    last_pipeline_rank = pp_group.rank() == pp_group.size() - 1
+    megatron_pp_ext.install(schedule=settings.schedule, trace=settings.trace,
+                            p2p_timeout_s=settings.p2p_timeout_s)
+
+    progress = Progress(settings.steps) if talk else None
+    if talk:
+        progress.message(
+            f"training the tiny Megatron-Core GPT ({cfg.num_layers} layers, hidden "
+            f"{cfg.hidden_size}) with {settings.schedule}: pp={settings.pp}, v={settings.v}, "
+            f"dp={dp_size}, {settings.microbatches} microbatches of {cfg.micro_batch_size}x"
+            f"{cfg.seq_length} tokens, {settings.steps} steps, {backend} via {launcher} "
+            f"(ready in {time.perf_counter() - started:.1f} s)")
+        progress.start()
+
+    losses, step_times, grad_norms, bubbles, predicted_bubbles = [], [], [], [], []
+    measurement = predicted = None
+    for step in range(settings.steps):
+        batches = counting_batches(settings.microbatches, cfg.micro_batch_size, cfg.seq_length,
+                                   cfg.vocab_size, settings.seed, step, dp_rank, device)
+        iterators = [iter(batches) for _ in model]
+        t0 = time.perf_counter()
+        for chunk in model:
+            chunk.zero_grad_buffer()
+        optimizer.zero_grad()
+        forward_backward_func = get_forward_backward_func()
+        outputs = forward_backward_func(
+            forward_step_func=forward_step_func,
+            data_iterator=iterators if len(model) > 1 else iterators[0],
+            model=model,
+            num_microbatches=settings.microbatches,
+            seq_length=cfg.seq_length,
+            micro_batch_size=cfg.micro_batch_size,
+            forward_only=False,
+        )
+        _, norm, _ = optimizer.step()
+        step_times.append(time.perf_counter() - t0)
+
+        loss = _mean_loss(outputs, last_pipeline_rank, dp_size, device)
+        measurement = (gather_step(STATE, pp_group, settings.trace) if settings.pp > 1
+                       else StepMeasurement([1], None))
+        if not talk:
+            continue
+        losses.append(loss)
+        grad_norms.append(float(norm) if norm is not None else None)
+        bubble = predicted_bubble = None
+        predicted = measurement.predicted
+        if measurement.timeline is not None:
+            bubble = measurement.timeline.bubble_fraction
+            predicted_bubble = predicted.bubble_fraction
+        bubbles.append(bubble)
+        predicted_bubbles.append(predicted_bubble)
+        progress.step(step + 1, format_step(step + 1, settings.steps, loss, step_times[-1],
+                                            bubble, predicted_bubble,
+                                            measurement.peak_activations))
+
+    if not talk:
+        return None
+    progress.close()
+    schedule = STATE.last_schedule
+    summary = {
+        "schedule": settings.schedule,
+        "pp": settings.pp,
+        "microbatches": settings.microbatches,
+        "chunks": settings.v,
+        "layout": settings.layout,
+        "steps": settings.steps,
+        "dp": dp_size,
+        "world_size": world_size,
+        "backend": backend,
+        "launcher": launcher,
+        "losses": losses,
+        "step_times_s": step_times,
+        "step_time_median_s": statistics.median(step_times[1:] or step_times),
+        "grad_norms": grad_norms,
+        "bubble_measured": bubbles[-1],
+        "bubble_predicted": predicted_bubbles[-1],
+        "bubble_measured_per_step": bubbles,
+        "bubble_predicted_per_step": predicted_bubbles,
+        "bubble_unit_costs": unit_cost_bubble(schedule) if schedule is not None else 0.0,
+        "peak_activations": measurement.peak_activations,
+        "makespan_measured_s": measurement.timeline.makespan if measurement.timeline else None,
+        "makespan_predicted_s": predicted.makespan if predicted is not None else None,
+        "settings": settings.to_dict(),
+        "seconds_total": time.perf_counter() - started,
+    }
+    files = write_outputs(settings.out, summary, predicted, measurement.timeline)
+    summary["files"] = files
+    print(_closing_line(summary, files), flush=True)
+    return summary
+
+
+def _build(settings: TrainSettings, device: torch.device, backend: str):
+    """Megatron's parallel state, this rank's DDP-wrapped chunks with their hooks, and
+    Megatron's optimizer."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from ..demo import tiny_gpt
+    from ..demo.launch import init_megatron
+
+    cfg = tiny_gpt.TinyGPTConfig(
+        num_layers=settings.num_layers, hidden_size=settings.hidden,
+        num_attention_heads=settings.heads, vocab_size=settings.vocab,
+        seq_length=settings.seq_length, micro_batch_size=settings.micro_batch_size,
+        seed=settings.seed, loss_mask_drop=0.0)
+    # The CPU shims (demo.cpu_shims) only where there is no NCCL; on GPUs Megatron runs as is.
+    init_megatron(settings.pp, settings.vp_size, seed=settings.seed,
+                  force_cpu=backend != "nccl")
+    config = tiny_gpt.make_transformer_config(cfg, settings.pp, settings.vp_size)
+    chunks = tiny_gpt.build_model_chunks(cfg, vp_size=settings.vp_size, layout=settings.layout,
+                                         config=config, wrap_ddp=False)
+    chunks = [chunk.to(device) for chunk in chunks]
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=False, overlap_grad_reduce=False, use_distributed_optimizer=False)
+    model = tiny_gpt.wrap_with_ddp(chunks, config, ddp_config)
+    tiny_gpt.configure_hooks(config, model)
+    # On the CPU: no clipping (Megatron's clip asserts CUDA grads; see cpu_optimizer).
+    clip_grad = 0.0 if apply_cpu_optimizer_shims() else 1.0
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=settings.lr, weight_decay=0.0, clip_grad=clip_grad,
+                        bf16=False, fp16=False, params_dtype=torch.float32,
+                        use_distributed_optimizer=False),
+        model)
+    config.grad_scale_func = optimizer.scale_loss  # as megatron.training.setup_model_and_optimizer
+    return model, optimizer, cfg
+
+
+def _mean_loss(outputs, last_pipeline_rank: bool, dp_size: int, device: torch.device) -> float:
+    """The step's loss (mean over microbatches and data-parallel replicas) on every rank. The
+    last pipeline rank holds the per-microbatch losses (under V layouts the drop-in relays them
+    there from rank 0, which holds the last stage, as Megatron-LM's train_step expects); the
+    other ranks contribute zero."""
+    values = [float(out["lm loss"]) for out in outputs or []] if last_pipeline_rank else []
+    total = torch.tensor([sum(values) / len(values) if values else 0.0], dtype=torch.float64,
+                         device=device)
+    dist.all_reduce(total)
+    return float(total.item()) / dp_size
+
+
+def _closing_line(summary: dict, files: list[str]) -> str:
+    losses = summary["losses"]
+    text = (f"done in {summary['seconds_total']:.1f} s: loss {losses[0]:.4f} -> {losses[-1]:.4f}"
+            f", median step {summary['step_time_median_s']:.3f} s")
+    if summary["bubble_measured"] is not None:
+        text += (f", bubble {100 * summary['bubble_measured']:.1f}% measured / "
+                 f"{100 * summary['bubble_predicted']:.1f}% predicted from the measured costs / "
+                 f"{100 * summary['bubble_unit_costs']:.1f}% at t_F=t_I=t_W")
+    return text + "\nwrote " + ", ".join(files)

@@ -1,0 +1,115 @@
+"""What a training run is asked to do, and the checks that run before any process starts.
+
+No torch and no Megatron here: a bad command line fails in a fraction of a second, with one
+line that names the value and the fix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from ..ir import ScheduleError
+from ..schedules import build_schedule, get_spec
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    schedule: str = "1f1b"
+    pp: int = 4  # pipeline ranks
+    microbatches: int = 8  # per step
+    chunks: int | None = None  # model chunks per rank; None: the schedule's own (interleaved 2)
+    steps: int = 20
+    out: str = "out/train"
+    trace: bool = True  # record measured timelines (per-step bubble, timeline.html, trace.json)
+    seed: int = 1234
+    lr: float = 3e-3
+    layers: int | None = None  # None: the smallest multiple of pp*v that is >= 8
+    hidden: int = 64
+    heads: int = 4
+    seq_length: int = 32
+    micro_batch_size: int = 4
+    vocab: int = 64
+    p2p_timeout_s: float = 120.0  # the plugin's wait on any peer
+    timeout_s: float | None = None  # the whole run (local launch); None: from the size
+
+    # ---- derived
+    @property
+    def v(self) -> int:
+        """Model chunks per rank."""
+        spec = get_spec(self.schedule)
+        return spec.default_chunks if self.chunks is None else self.chunks
+
+    @property
+    def layout(self) -> str:
+        """``"v"`` for zb-v / dualpipev (rank r holds stages r and 2p-1-r), else ``"loop"``."""
+        return get_spec(self.schedule).layout
+
+    @property
+    def vp_size(self) -> int | None:
+        """Megatron's virtual pipeline size (None for one chunk per rank)."""
+        return self.v if self.v > 1 else None
+
+    @property
+    def num_layers(self) -> int:
+        if self.layers is not None:
+            return self.layers
+        stages = self.pp * self.v
+        return stages * max(1, -(-8 // stages))
+
+    @property
+    def run_timeout_s(self) -> float:
+        if self.timeout_s is not None:
+            return self.timeout_s
+        return 180.0 + 10.0 * self.steps * max(1, self.pp * self.microbatches // 16)
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data.update(chunks=self.v, layers=self.num_layers, layout=self.layout)
+        return data
+
+    # ---- checks
+    def check(self) -> None:
+        """Raise ``ValueError`` (one sentence, with the fix) for anything that cannot run."""
+        spec = get_spec(self.schedule)  # unknown names: ScheduleError with the closest match
+        for name in ("pp", "microbatches", "steps", "hidden", "heads", "seq_length",
+                     "micro_batch_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} {value} must be an integer >= 1")
+        if self.vocab < 2:
+            raise ValueError(f"--vocab {self.vocab} must be >= 2")
+        if self.lr <= 0:
+            raise ValueError(f"--lr {self.lr} must be > 0")
+        if self.p2p_timeout_s <= 0 or (self.timeout_s is not None and self.timeout_s <= 0):
+            raise ValueError("timeouts must be > 0 seconds")
+        if self.chunks is not None and self.chunks < 1:
+            raise ValueError(f"--chunks {self.chunks} must be >= 1")
+        if not spec.allowed_chunks(self.v):
+            rule = {"v": "2 (the V layout)", "loop": "1"}[spec.layout]
+            if spec.name == "interleaved":
+                rule = ">= 2"
+            raise ValueError(f"--chunks {self.v} does not fit {self.schedule}: it needs {rule}")
+        if self.pp == 1 and self.v > 1:
+            raise ValueError(
+                f"{self.schedule} needs --pp >= 2 (at pp=1 Megatron runs its own no-pipelining "
+                "loop, which takes one model chunk); use --pp 2 or --schedule 1f1b"
+            )
+        if self.num_layers % (self.pp * self.v):
+            raise ValueError(
+                f"--layers {self.num_layers} must be a multiple of pp*v = {self.pp}*{self.v} "
+                f"(one equal share per stage); try --layers {self.pp * self.v * 2}"
+            )
+        if self.hidden % self.heads:
+            raise ValueError(f"--hidden {self.hidden} must be a multiple of --heads {self.heads}")
+        try:  # the builder's own constraints (e.g. interleaved: p <= m, m mod p), validated
+            build_schedule(self.schedule, self.pp, self.microbatches, self.v)
+        except ScheduleError as exc:
+            raise ValueError(" ".join(str(exc).split())) from None
+
+    def check_world(self, world_size: int) -> None:
+        """Under torchrun / srun: the world must be a whole number of pipelines."""
+        if world_size % self.pp:
+            raise ValueError(
+                f"the launcher started {world_size} processes, not a multiple of --pp {self.pp}; "
+                f"start {self.pp} (or k*{self.pp} for k data-parallel replicas)"
+            )
