@@ -316,8 +316,6 @@ def test_scripts_call_pretrain_like_pretrain_gpt(tmp_path, script, how):
     assert result["fb_module"].startswith("megatron_pp_ext") == bool(how)
 
 
-def test_auto_is_refused_clearly_until_the_registry_has_it():
-    if "auto" in schedule_names():
-        pytest.skip("the registry resolves 'auto' itself")
-    with pytest.raises(ValueError, match="auto.*named schedule"):
-        schedule_options_from_args(_args(pipeline_schedule="auto"))
+def test_auto_is_accepted_and_installs_the_auto_schedule():
+    options = schedule_options_from_args(_args(pipeline_schedule="auto"))
+    assert options == {"schedule": "auto", "p2p_timeout_s": None, "trace": False}

@@ -21,7 +21,8 @@ interleaved                        v >= 2 chunks: ``--num-virtual-stages-per-pip
                                    or ``--num-layers-per-virtual-pipeline-stage N``
 zb-v, dualpipev                    exactly 2 chunks (V layout):
                                    ``--num-virtual-stages-per-pipeline-rank 2``
-auto                               reserved: refused until the registry resolves "auto"
+auto                               any of the above: measures the first step, then picks the
+                                   fastest schedule that fits how Megatron chunked the model
 =================================  ======================================================
 
 Caveat for zb-v / dualpipev: Megatron-LM builds chunk c of rank r as stage c*p + r, with the
@@ -126,11 +127,9 @@ def schedule_options_from_args(args: Any) -> dict | None:
         )
     from ..schedules import REGISTRY
 
-    if name not in REGISTRY:  # "auto", until the registry resolves it
-        raise ValueError(
-            f"--pipeline-schedule {name}: megatron_pp_ext.install() takes only a named schedule "
-            f"so far; pass one of {', '.join(REGISTRY)}"
-        )
+    if name == AUTO:  # the candidates follow from how Megatron chunks the model
+        return dict(schedule=AUTO, p2p_timeout_s=getattr(args, "pp_p2p_timeout_s", None),
+                    trace=bool(getattr(args, "pp_trace", False)))
     spec = REGISTRY[name]
     pp = getattr(args, "pipeline_model_parallel_size", 1) or 1
     built = _model_chunks(args)

@@ -6,6 +6,7 @@ import os
 from dataclasses import asdict, dataclass, fields
 
 ENV_SCHEDULE = "MEGATRON_PP_SCHEDULE"
+AUTO = "auto"  # measure the first step(s), then run the fastest schedule that fits
 
 
 @dataclass(frozen=True)
@@ -17,15 +18,22 @@ class PipelineOptions:
     p2p_timeout_s: float = 600.0  # every wait on a peer
     first_step_timeout_s: float | None = None  # the first step (start-up, lazy NCCL init): 3x
     trace: bool = False  # record measured timelines (cheap when off)
+    # schedule="auto": measuring steps, and the memory figures when not measured (CPU)
+    auto_measure_steps: int = 1
+    auto_memory_budget_bytes: float | None = None
+    auto_activation_bytes: float | None = None
 
     def __post_init__(self):
         from ..schedules import get_spec
 
-        get_spec(self.schedule)  # unknown names fail here, with the closest suggested
+        if self.schedule != AUTO:
+            get_spec(self.schedule)  # unknown names fail here, with the closest suggested
         if self.p2p_timeout_s <= 0:
             raise ValueError(f"p2p_timeout_s={self.p2p_timeout_s} must be > 0 seconds")
         if self.chunks is not None and self.chunks < 1:
             raise ValueError(f"chunks={self.chunks} must be >= 1")
+        if self.auto_measure_steps < 1:
+            raise ValueError(f"auto_measure_steps={self.auto_measure_steps} must be >= 1")
         if self.max_pending_backward is not None and self.max_pending_backward < 1:
             raise ValueError(f"max_pending_backward={self.max_pending_backward} must be >= 1")
 

@@ -8,8 +8,11 @@ from ._common import check_sizes, loop_placement
 
 
 def build_1f1b(num_ranks: int, num_microbatches: int, chunks: int = 1, forward_only: bool = False,
-               **_options) -> Schedule:
-    """Rank r: warmup min(p-1-r, m) forwards, then steady F/B pairs, then cooldown backwards."""
+               split_backward: bool = False, **_options) -> Schedule:
+    """Rank r: warmup min(p-1-r, m) forwards, then steady F/B pairs, then cooldown backwards.
+
+    ``split_backward`` writes each B as I then W at once (the same order and arithmetic),
+    so a run can time the two halves apart (``schedule="auto"`` measures with it)."""
     check_sizes("1f1b", num_ranks, num_microbatches)
     p, m = num_ranks, num_microbatches
     actions = []
@@ -24,5 +27,10 @@ def build_1f1b(num_ranks: int, num_microbatches: int, chunks: int = 1, forward_o
             row.append(Action(rank, "F", warmup + i))
             row.append(Action(rank, "B", i))
         row += [Action(rank, "B", steady + i) for i in range(warmup)]
+        if split_backward:
+            row = [half for a in row for half in (
+                (Action(a.stage, "I", a.microbatch), Action(a.stage, "W", a.microbatch))
+                if a.kind == "B" else (a,))]
         actions.append(row)
-    return Schedule("1f1b", m, loop_placement(p, 1), actions, {"forward_only": forward_only})
+    return Schedule("1f1b", m, loop_placement(p, 1), actions,
+                    {"forward_only": forward_only, "split_backward": split_backward})
