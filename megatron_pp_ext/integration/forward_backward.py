@@ -1,9 +1,20 @@
 """The drop-in ``forward_backward_func``: Megatron-Core 0.19.2's keyword signature, return
-value, loss scaling and hooks, running whichever schedule is installed."""
+value, loss scaling and hooks, running whichever schedule is installed.
+
+Around the executor: bad input is rejected before any communication (a ``ValueError`` that
+names the values, the rule and the fix); before the first step of each distinct setting the
+pipeline ranks agree on it (``agreement.check_agreement``: a mismatch raises on every rank)
+and pipeline rank 0 logs the plan (``plan.plan_text``, logger "megatron_pp_ext", INFO);
+with ``trace=True`` every step's measured timeline lands in ``STATE.last_timeline`` on
+pipeline rank 0, beside the simulator's prediction under the measured costs
+(``STATE.last_predicted``; ``trace.summary_text`` prints both) and its scalars
+(``STATE.last_metrics``, written to Megatron's tensorboard / wandb writers when configured).
+"""
 
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -18,9 +29,13 @@ from megatron.core.utils import get_model_config
 
 from .. import device as device_helper
 from ..ir import Schedule
+from ..runtime import trace as tracing
+from ..runtime.errors import PipelineTimeoutError
 from ..runtime.executor import Executor, StepResult
 from ..runtime.transport import TorchDistTransport
 from ..schedules import build_schedule, get_spec
+from ..timeline import Timeline
+from . import agreement
 from .loss_relay import needs_relay, relay_losses
 from .megatron_stage import GradSync, MegatronStageWork
 from .options import PipelineOptions
@@ -34,9 +49,25 @@ class RunState:
     last_step: StepResult | None = None
     last_schedule: Schedule | None = None
     steps_run: int = 0
+    #: trace=True: the last step's measured timeline (pipeline rank 0; None elsewhere), the
+    #: simulator's timeline of the same schedule under the measured mean costs, and the
+    #: step's scalars ({"pipeline/bubble_fraction": ..., ...}; on every pipeline rank)
+    last_timeline: Timeline | None = None
+    last_predicted: Timeline | None = None
+    last_metrics: dict = field(default_factory=dict)
+    #: settings the pipeline ranks already agreed on / plans already logged
+    agreed: set = field(default_factory=set)
+    planned: set = field(default_factory=set)
+
+    def summary(self) -> str | None:
+        """The last traced step, measured beside predicted (pipeline rank 0), else None."""
+        if self.last_timeline is None:
+            return None
+        return tracing.summary_text(self.last_timeline, self.last_predicted)
 
 
 STATE = RunState()
+logger = logging.getLogger("megatron_pp_ext")
 
 
 @functools.lru_cache(maxsize=64)
@@ -54,15 +85,31 @@ def _transport_for(group) -> TorchDistTransport:
 def schedule_for(options: PipelineOptions, p: int, m: int, num_chunks: int, forward_only: bool,
                  config=None) -> Schedule:
     """This step's schedule; checks the model chunks against what the schedule needs."""
-    if not isinstance(m, int) or m < 1:
-        raise ValueError(f"num_microbatches={m!r} must be an integer >= 1")
+    if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+        raise ValueError(
+            f"num_microbatches={m!r}: it must be an integer >= 1 (it is global_batch_size / "
+            "(micro_batch_size x data_parallel_size)); raise the global batch size or lower "
+            "micro_batch_size")
     spec = get_spec(options.schedule)
-    v = options.chunks or (num_chunks if spec.layout != "v" else 2)
+    if options.chunks:
+        v = options.chunks
+    elif spec.layout == "v":
+        v = 2
+    else:  # interleaved takes v from the model; the one-chunk schedules need exactly 1
+        v = num_chunks if spec.name == "interleaved" else spec.default_chunks
+    if spec.layout == "v" and v != 2:
+        raise ValueError(
+            f"schedule {options.schedule!r} is a V-shape schedule: it runs exactly v=2 model "
+            f"chunks per rank (rank r holds stages r and 2p-1-r), but chunks={v} was asked; "
+            "build the model with virtual_pipeline_model_parallel_size=2 and drop the chunks "
+            "option")
     if v != num_chunks:
         raise ValueError(
             f"schedule {options.schedule!r} runs v={v} model chunks per rank, but `model` holds "
             f"{num_chunks}; build the model with {v} chunk(s) per rank (vp_stage 0..{v - 1}) "
             f"and pass one data iterator per chunk"
+            + ("" if spec.name == "interleaved" or spec.layout == "v" or num_chunks < 2 else
+               f", or choose a schedule for {num_chunks} chunks per rank ('interleaved')")
         )
     builder_options = options.builder_options()
     if (spec.name == "interleaved" and "microbatch_group_size_per_vp_stage" not in builder_options
@@ -76,9 +123,83 @@ def schedule_for(options: PipelineOptions, p: int, m: int, num_chunks: int, forw
 def _as_list(value, name: str, expected: int) -> list:
     values = value if isinstance(value, list) else [value]
     if len(values) != expected:
-        raise ValueError(f"`{name}` holds {len(values)} entries but the model has {expected} "
-                         f"chunk(s) on this rank; pass one per chunk")
+        raise ValueError(f"`{name}` holds {len(values)} entries but `model` has {expected} "
+                         f"chunk(s) on this rank: every model chunk needs its own data "
+                         f"iterator (None where a chunk reads no data); pass a list of "
+                         f"{expected}")
     return values
+
+
+def check_pipeline_size(pp_group, p2p_communicator=None, pg_collection=None,
+                        config=None) -> int:
+    """The pipeline size, once every source of it agrees: the group the step communicates
+    on, the ``pg_collection`` passed beside a ``p2p_communicator``, Megatron's
+    ``parallel_state`` (when initialized) and ``config.pipeline_model_parallel_size``."""
+    p = pp_group.size()
+    sources = []
+    if p2p_communicator is not None and pg_collection is not None:
+        other = getattr(pg_collection, "pp", None)
+        if other is not None and other is not pp_group and other.size() != p:
+            sources.append(f"pg_collection.pp.size()={other.size()}")
+    if parallel_state.model_parallel_is_initialized():
+        try:
+            megatron_p = parallel_state.get_pipeline_model_parallel_world_size()
+        except (AssertionError, RuntimeError):
+            megatron_p = None
+        if megatron_p is not None and megatron_p != p:
+            sources.append(
+                f"parallel_state.get_pipeline_model_parallel_world_size()={megatron_p}")
+    config_p = getattr(config, "pipeline_model_parallel_size", None)
+    if isinstance(config_p, int) and config_p > 1 and config_p != p:
+        sources.append(f"config.pipeline_model_parallel_size={config_p}")
+    if sources:
+        where = ("p2p_communicator.pp_group" if p2p_communicator is not None
+                 else "pg_collection.pp")
+        raise ValueError(
+            f"the pipeline size disagrees: the step communicates on {where} of size {p}, but "
+            f"{', '.join(sources)}; pass the pipeline group of the model's own parallel state "
+            "(pg_collection / p2p_communicator built for the same pipeline_model_parallel_size "
+            "as initialize_model_parallel and the TransformerConfig)")
+    return p
+
+
+def _first_step_checks(options: PipelineOptions, schedule: Schedule, pp_group, rank: int,
+                       forward_only: bool, recv_shape, dtype, variable: bool, device) -> None:
+    """Before the first step of each distinct setting: the ranks agree, rank 0 logs the plan."""
+    values = agreement.settings(
+        options.schedule, schedule.num_ranks, schedule.num_microbatches, schedule.chunks,
+        forward_only, recv_shape, dtype, variable, options.to_dict())
+    key = agreement.fingerprint(values)
+    if key not in STATE.agreed and schedule.num_ranks > 1:
+        agreement.check_agreement(values, pp_group, rank, device,
+                                  timeout_s=options.first_timeout_s,
+                                  polled=not device_helper.waits_block_host(pp_group))
+    STATE.agreed.add(key)
+    plan_key = (options.schedule, schedule.num_ranks, schedule.num_microbatches,
+                schedule.chunks, forward_only)
+    if plan_key not in STATE.planned:
+        STATE.planned.add(plan_key)
+        if rank == 0 and logger.isEnabledFor(logging.INFO):
+            from .plan import plan_text
+
+            logger.info("%s", plan_text(schedule, recv_shape, dtype))
+
+
+def _trace_step(result: StepResult, schedule: Schedule, rank: int, pp_group, device,
+                config) -> None:
+    """Gather the measured timeline to pipeline rank 0, predict the same schedule under the
+    measured costs, share the scalars and write them where Megatron logs."""
+    timeline = tracing.gather_timeline(result, schedule, rank, pp_group, device)
+    predicted = metrics = None
+    if timeline is not None:
+        predicted = tracing.predicted_timeline(timeline, schedule)
+        metrics = tracing.step_metrics(timeline, predicted)
+    STATE.last_timeline, STATE.last_predicted = timeline, predicted
+    STATE.last_metrics = tracing.share_metrics(metrics, rank, pp_group, device)
+    try:
+        tracing.log_metrics(STATE.last_metrics, timers=getattr(config, "timers", None))
+    except Exception as exc:  # noqa: BLE001 - logging must not fail a training step
+        logger.warning("could not log the pipeline metrics: %s", exc)
 
 
 def forward_backward_pipelining(
@@ -109,7 +230,8 @@ def forward_backward_pipelining(
         pg_collection = _build_default_pg_collection()
     pp_group = p2p_communicator.pp_group if p2p_communicator is not None else pg_collection.pp
     tp_group, cp_group = pg_collection.tp, pg_collection.cp
-    p, rank = pp_group.size(), pp_group.rank()
+    p = check_pipeline_size(pp_group, p2p_communicator, pg_collection, config)
+    rank = pp_group.rank()
 
     schedule = schedule_for(options, p, num_microbatches, len(models), forward_only, config)
     last_stage_here = schedule.rank_of(schedule.num_stages - 1) == rank
@@ -121,7 +243,10 @@ def forward_backward_pipelining(
         shapes, _ = adjust_tensor_shapes_fn(shapes, shapes)
     variable = bool(config.variable_seq_lengths)
     recv_shape = None if variable else tuple(shapes[0])
+    pipeline_dtype = config.pipeline_dtype or torch.float32
     transport = _transport_for(pp_group)
+    _first_step_checks(options, schedule, pp_group, rank, forward_only, recv_shape,
+                       pipeline_dtype, variable, transport.device)
 
     embedding_module = None
     if config.finalize_model_grads_func is not None and not forward_only:
@@ -146,10 +271,14 @@ def forward_backward_pipelining(
     grad_sync.start()
     timeout = options.first_timeout_s if STATE.steps_run == 0 else options.p2p_timeout_s
     executor = Executor(schedule, rank, transport, work, recv_shape=recv_shape,
-                        dtype=config.pipeline_dtype or torch.float32,
+                        dtype=pipeline_dtype,
                         device=transport.device, timeout_s=timeout, variable_shapes=variable,
                         trace=options.trace, timers=config.timers)
-    result = executor.run()
+    try:
+        result = executor.run()
+    except PipelineTimeoutError as exc:
+        agreement.explain_failure(exc, pp_group, rank)  # tell the peers, hear theirs
+        raise
     grad_sync.finish()
     if weight_split is not None:
         weight_split.assert_drained()
@@ -164,6 +293,8 @@ def forward_backward_pipelining(
         )
     if config.timers is not None:
         config.timers("forward-backward").stop()
+    if options.trace:
+        _trace_step(result, schedule, rank, pp_group, transport.device, config)
 
     STATE.last_step, STATE.last_schedule = result, schedule
     STATE.steps_run += 1

@@ -15,6 +15,7 @@ held activations, keeps a history for timeouts and, when asked, records a trace.
 from __future__ import annotations
 
 import collections
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
@@ -405,6 +406,8 @@ class Executor:
                        waited_s: float) -> None:
         """A lost connection becomes a PeerLostError naming rank, peer and pending action."""
         if connection_lost(exc):
-            cause = " ".join(str(exc).split())[:300]
+            # gloo: "[.../pair.cc:553] Connection closed by peer [ip]:port. This is typically..."
+            cause = re.sub(r"^\[[^\]]*\]\s*", "", " ".join(str(exc).split()))
+            cause = cause.split(". This is typically")[0][:200]
             raise PeerLostError(self.rank, peer, pending, waited_s, list(self._history),
                                 cause) from exc

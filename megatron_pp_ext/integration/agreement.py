@@ -1,0 +1,267 @@
+"""What the ranks of a pipeline tell each other outside the schedule's own messages.
+
+1. Agreement before the first step. Ranks that call with different settings (one rank with
+   num_microbatches=4, the others with 8; another schedule; other options) would exchange
+   mismatched messages and hang. Before the first step of each distinct setting the ranks
+   all-gather a fingerprint of it (one int64 per rank on the communication device); on a
+   mismatch they all-gather the settings themselves and EVERY rank raises the same
+   ``ValueError`` naming the disagreeing ranks and their values.
+
+2. Failure notes after a failed step. A rank that loses a peer (its process died) or times
+   out writes one line into the process group's key-value store, and a rank that fails
+   reads its peers' lines, so the rank that merely waited on a healthy-but-failed neighbour
+   can still name the rank that died first. Best effort: a store that does not answer within
+   two seconds is skipped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+
+import torch
+
+FINGERPRINT_FIELDS = ("schedule", "pipeline_size", "num_microbatches", "model_chunks",
+                      "forward_only", "tensor_shape", "pipeline_dtype", "variable_seq_lengths")
+
+
+class AgreementTimeoutError(TimeoutError):
+    """Not every rank of the pipeline group reached the agreement before the first step."""
+
+
+def settings(schedule: str, pipeline_size: int, num_microbatches: int, model_chunks: int,
+             forward_only: bool, tensor_shape, pipeline_dtype, variable_seq_lengths: bool,
+             options: dict) -> dict:
+    """The values every rank of a pipeline must share, as plain (printable) values."""
+    values = {
+        "schedule": str(schedule),
+        "pipeline_size": int(pipeline_size),
+        "num_microbatches": int(num_microbatches),
+        "model_chunks": int(model_chunks),
+        "forward_only": bool(forward_only),
+        "tensor_shape": None if tensor_shape is None else tuple(int(d) for d in tensor_shape),
+        "pipeline_dtype": str(pipeline_dtype).replace("torch.", ""),
+        "variable_seq_lengths": bool(variable_seq_lengths),
+    }
+    values.update({key: value for key, value in sorted(options.items()) if key != "schedule"})
+    return values
+
+
+def fingerprint(values: dict) -> int:
+    """A signed 64-bit digest of ``values``, the same in every process (unlike ``hash``)."""
+    text = repr(sorted(values.items())).encode()
+    return int.from_bytes(hashlib.sha256(text).digest()[:8], "little", signed=True)
+
+
+def _who(ranks: list[int], global_ranks: list[int] | None) -> str:
+    names = []
+    for r in ranks:
+        if global_ranks is not None and global_ranks[r] != r:
+            names.append(f"{r} (global rank {global_ranks[r]})")
+        else:
+            names.append(str(r))
+    return f"rank {names[0]} has" if len(names) == 1 else f"ranks {', '.join(names)} have"
+
+
+def describe_disagreement(values_by_rank: list[dict], global_ranks: list[int] | None = None) -> str:
+    """The error text for ranks whose settings differ: each differing setting, with the ranks
+    holding each of its values (most common value first), then the rule and the fix."""
+    keys = list(dict.fromkeys(k for values in values_by_rank for k in values))
+    parts = []
+    for key in keys:
+        groups: dict[str, list[int]] = {}
+        for rank, values in enumerate(values_by_rank):
+            groups.setdefault(repr(values.get(key, "<missing>")), []).append(rank)
+        if len(groups) < 2:
+            continue
+        ordered = sorted(groups.items(), key=lambda item: (-len(item[1]), item[1][0]))
+        parts.append(", ".join(
+            f"{_who(ranks, global_ranks)} {key}={_plain(values_by_rank[ranks[0]].get(key))}"
+            for _, ranks in ordered))
+    if not parts:
+        parts = ["the settings' fingerprints differ"]
+    return (
+        "pipeline ranks disagree before the first step: " + "; ".join(parts) + ". Every rank "
+        "of a pipeline group must call forward_backward_func with the same schedule, "
+        "num_microbatches, model chunks per rank, forward_only, tensor shape (seq_length, "
+        "micro_batch_size, hidden_size), config.pipeline_dtype, config.variable_seq_lengths "
+        "and plugin options (install(...) / ScheduleFunction(...)); make them agree on every "
+        "rank (same launch arguments and environment)."
+    )
+
+
+def _plain(value) -> str:
+    return value if isinstance(value, str) else repr(value)
+
+
+def _wait(work, timeout_s: float, polled: bool) -> bool:
+    """Wait for an async collective; False if it did not finish within ``timeout_s``."""
+    import datetime
+
+    if not polled:
+        try:
+            return work.wait(timeout=datetime.timedelta(seconds=max(timeout_s, 0.001))) is not False
+        except RuntimeError as exc:
+            if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
+                return False
+            raise
+    deadline = time.monotonic() + timeout_s
+    while not work.is_completed():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.0005)
+    work.wait()
+    return True
+
+
+def check_agreement(values: dict, pp_group, rank: int, device: torch.device,
+                    timeout_s: float = 600.0, polled: bool = False) -> None:
+    """Collective over ``pp_group``: raise ``ValueError`` on every rank if the ranks' ``values``
+    differ. Costs one all-gather of one int64 per rank when they agree. ``polled``: wait by
+    polling (NCCL, whose waits do not block the host)."""
+    import torch.distributed as dist
+
+    size = dist.get_world_size(pp_group)
+    mine = torch.tensor([fingerprint(values)], dtype=torch.int64, device=device)
+    gathered = [torch.zeros_like(mine) for _ in range(size)]
+    started = time.monotonic()
+    try:
+        work = dist.all_gather(gathered, mine, group=pp_group, async_op=True)
+        finished = _wait(work, timeout_s, polled)
+    except RuntimeError as exc:
+        raise AgreementTimeoutError(
+            f"pipeline rank {rank} lost a peer while the pipeline ranks agreed on the schedule "
+            f"before the first step ({' '.join(str(exc).split())[:300]}): another rank died or "
+            "raised before reaching this point; see its log") from exc
+    if not finished:
+        raise AgreementTimeoutError(
+            f"pipeline rank {rank} waited {time.monotonic() - started:.1f} s for the other "
+            f"{size - 1} pipeline ranks to agree on the schedule before the first step: some "
+            "rank did not call the pipelined forward_backward_func (it raised, died, or runs "
+            "another code path); see the other ranks' logs")
+    if len({int(t.item()) for t in gathered}) == 1:
+        return
+    values_by_rank: list = [None] * size
+    dist.all_gather_object(values_by_rank, values, group=pp_group)
+    try:
+        global_ranks = dist.get_process_group_ranks(pp_group) if pp_group is not None else None
+    except Exception:  # noqa: BLE001 - naming global ranks is a courtesy
+        global_ranks = None
+    raise ValueError(describe_disagreement(values_by_rank, global_ranks))
+
+
+# ---------------------------------------------------------------- failure notes
+_NOTE_PREFIX = "megatron_pp_ext/failure/"
+_STORE_TIMEOUT_S = 2.0
+
+
+def _store():
+    try:
+        from torch.distributed import distributed_c10d
+
+        return distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - no default group, or a torch without the helper
+        return None
+
+
+def _bounded(fn, timeout_s: float = _STORE_TIMEOUT_S):
+    """``fn()`` on a daemon thread; its result, or None if it raised or did not finish."""
+    box: list = [None]
+
+    def body():
+        try:
+            box[0] = fn()
+        except Exception:  # noqa: BLE001 - a dead store must not mask the real error
+            box[0] = None
+
+    thread = threading.Thread(target=body, daemon=True, name="pp-failure-note")
+    thread.start()
+    thread.join(timeout_s)
+    return box[0]
+
+
+def failure_note(exc: BaseException, rank: int) -> str:
+    """One line for the peers: who this rank lost or gave up on, and what it was doing."""
+    peer, pending = getattr(exc, "peer", None), getattr(exc, "pending", None)
+    if peer is None or pending is None:
+        return f"rank {rank} failed: {' '.join(str(exc).split())[:300]}"
+    if getattr(exc, "cause", None) is not None:  # PeerLostError
+        return f"rank {rank} lost its connection to rank {peer} (pending {pending})"
+    return f"rank {rank} waited for rank {peer} and gave up (pending {pending})"
+
+
+def publish_failure(pp_group, rank: int, note: str) -> None:
+    """Write this rank's one-line failure note into the default store (best effort)."""
+    import torch.distributed as dist
+
+    store = _store()
+    if store is None:
+        return
+    key = f"{_NOTE_PREFIX}{dist.get_rank()}"
+    _bounded(lambda: store.set(key, note))
+
+
+def peer_failures(pp_group, rank: int) -> dict[int, str]:
+    """Failure notes of the other ranks of ``pp_group``: {pipeline rank: note}."""
+    import torch.distributed as dist
+
+    store = _store()
+    if store is None:
+        return {}
+    try:
+        members = dist.get_process_group_ranks(pp_group) if pp_group is not None else list(
+            range(dist.get_world_size()))
+    except Exception:  # noqa: BLE001
+        return {}
+
+    def read():
+        notes = {}
+        for pp_rank, global_rank in enumerate(members):
+            key = f"{_NOTE_PREFIX}{global_rank}"
+            if pp_rank != rank and store.check([key]):
+                notes[pp_rank] = store.get(key).decode(errors="replace")
+        return notes
+
+    return _bounded(read) or {}
+
+
+def explain_failure(exc: BaseException, pp_group, rank: int) -> None:
+    """Publish ``exc`` as this rank's note and append what the peers reported (and who is
+    suspected of failing first: a rank named as the lost peer that sent no note) to its
+    message. Mutates ``exc`` in place; never raises."""
+    try:
+        publish_failure(pp_group, rank, failure_note(exc, rank))
+        notes = peer_failures(pp_group, rank)
+        if not notes:
+            return
+        named = {getattr(exc, "peer", None)}
+        for note in notes.values():
+            named.update(_peers_named(note))
+        suspects = sorted(r for r in named if isinstance(r, int) and r != rank and r not in notes)
+        extra = ". Reports from the other pipeline ranks: " + "; ".join(
+            notes[r] for r in sorted(notes)) + "."
+        if suspects:
+            extra += (f" Suspected to have failed first: rank(s) {suspects} (named as lost by "
+                      "a peer, and sent no report).")
+        exc.args = (str(exc) + extra,) + tuple(exc.args[1:])
+        exc.peer_reports = notes
+        exc.suspects = suspects
+    except Exception:  # noqa: BLE001 - explaining must never replace the real error
+        return
+
+
+def _peers_named(note: str) -> set[int]:
+    import re
+
+    found = set()
+    for pattern in (r"lost its connection to rank (\d+)", r"waited for rank (\d+)"):
+        found.update(int(m) for m in re.findall(pattern, note))
+    return found
+
+
+__all__ = [
+    "AgreementTimeoutError", "FINGERPRINT_FIELDS", "settings", "fingerprint",
+    "describe_disagreement", "check_agreement", "publish_failure", "peer_failures",
+    "explain_failure",
+]
