@@ -139,7 +139,7 @@ def test_a_rank_dies_mid_step_and_every_other_rank_names_it():
     assert out[0]["peer"] == 1
     assert out[0]["suspects"] == [2], out[0]["text"]
     assert "Suspected to have failed first: rank(s) [2]" in out[0]["text"]
-    assert time.monotonic() - started < 40
+    assert time.monotonic() - started < 90  # the launch included
 
 
 def test_a_hung_rank_times_out_naming_the_peer_and_the_pending_action():

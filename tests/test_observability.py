@@ -98,6 +98,14 @@ def test_metrics_go_to_the_writers():
     assert not trace.log_metrics(metrics)  # no writer, no timers: nothing to write to
 
 
+def test_metrics_are_logged_when_megatron_timers_are_configured(caplog):
+    metrics = {trace.BUBBLE_TAG: 0.25, trace.PEAK_TAG: 4.0}
+    with caplog.at_level(logging.INFO, logger="megatron_pp_ext"):
+        assert trace.log_metrics(metrics, iteration=3, timers=object())
+    assert caplog.messages == ["step 3: pipeline/bubble_fraction=0.25 "
+                               "pipeline/peak_activations=4"]
+
+
 # ------------------------------------------------------------------ plan and agreement
 def test_plan_text_for_1f1b():
     schedule = build_schedule("1f1b", 4, 8)
