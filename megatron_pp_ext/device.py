@@ -59,3 +59,22 @@ def bind_local_device(local_rank: int, backend: str) -> torch.device:
     index = local_rank % torch.cuda.device_count()
     torch.cuda.set_device(index)
     return torch.device("cuda", index)
+
+
+def start_memory_probe(device: torch.device) -> int | None:
+    """Start measuring a step's peak memory on a GPU (None on the CPU)."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.reset_peak_memory_stats(device)
+    return int(torch.cuda.memory_allocated(device))
+
+
+def finish_memory_probe(device: torch.device, start: int | None,
+                        peak_held: int) -> tuple[float, float] | None:
+    """(bytes free for activations now, bytes one held activation took during the step)."""
+    if start is None:
+        return None
+    grown = max(0, torch.cuda.max_memory_allocated(device) - start)
+    free, _total = torch.cuda.mem_get_info(device)
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return float(free + cached), grown / max(1, peak_held)

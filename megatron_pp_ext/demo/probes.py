@@ -216,3 +216,23 @@ def schedule_function(name: str, **options):
 
 
 __all__ = ["probe_step", "schedule_function", "HookLog"]
+
+
+def auto_steps(rank: int, world_size: int, pp: int, steps: int = 3, layout: str = "loop",
+               **run_kwargs) -> dict[str, Any]:
+    """``steps`` steps with ``schedule="auto"`` (each on a fresh model with the same weights
+    and data), then the fixed 1f1b step; returns each step's result and auto's choice."""
+    from megatron_pp_ext.demo.reference import run_step
+    from megatron_pp_ext.integration.forward_backward import STATE, ScheduleFunction
+
+    auto = ScheduleFunction("auto")
+    results, schedules = [], []
+    for _ in range(steps):
+        results.append(run_step(rank, world_size, auto, pp=pp, layout=layout, **run_kwargs))
+        schedules.append(STATE.last_schedule.name)
+    choice = STATE.auto.choice
+    fixed = "zb-v" if layout == "v" else "1f1b"
+    reference = run_step(rank, world_size, ScheduleFunction(fixed), pp=pp, layout=layout,
+                         **run_kwargs)
+    return {"results": results, "reference": reference, "schedules": schedules,
+            "choice": choice.schedule, "reason": choice.reason}

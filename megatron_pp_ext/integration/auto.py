@@ -126,9 +126,13 @@ class AutoSchedule:
         costs_by_stage = {s: c for part, _mem in gathered for s, c in part.items()}
         choice = [None]
         if dist.get_rank(pp_group) == 0:
-            choice[0] = self._choose(costs_by_stage, schedule, [m for _c, m in gathered])
-        dist.broadcast_object_list(choice, group=pp_group,
-                                   group_src=0)
+            try:
+                choice[0] = self._choose(costs_by_stage, schedule, [m for _c, m in gathered])
+            except ValueError as exc:  # every rank raises it, none waits for a choice
+                choice[0] = str(exc)
+        dist.broadcast_object_list(choice, group=pp_group, group_src=0)
+        if isinstance(choice[0], str):
+            raise ValueError(choice[0])
         self.choice = choice[0]
         if dist.get_rank(pp_group) == 0:
             log.info("auto schedule: %s", self.choice.reason)
@@ -141,12 +145,12 @@ class AutoSchedule:
                                      activation_bytes=activation, memory_budget_bytes=budget,
                                      candidates=CANDIDATES[self.layout])
         predicted = {r.name: r.makespan for r in selection.ranked}
-        best = selection.best()
+        best = selection.best
         if best is None:
             reasons = "; ".join(f"{e.name}: {e.reason}" for e in selection.excluded)
             raise ValueError(f"auto schedule: no schedule fits the memory budget ({reasons}); "
                              "lower the micro-batch size or num_microbatches, or raise the budget")
-        baseline_name = "1f1b" if "1f1b" in predicted else best.name
+        baseline_name = MEASURE_WITH[self.layout][0]  # what ran while measuring
         baseline = predicted.get(baseline_name, best.makespan)
         gain = 1 - best.makespan / baseline if baseline else 0.0
         per_rank = ", ".join(f"rank {r}: F {costs.t_f[r] * 1e3:.2f} I {costs.t_i[r] * 1e3:.2f} "

@@ -38,7 +38,8 @@ from ..timeline import Timeline
 from . import agreement
 from .loss_relay import needs_relay, relay_losses
 from .megatron_stage import GradSync, MegatronStageWork
-from .options import PipelineOptions
+from .auto import AutoSchedule
+from .options import AUTO, PipelineOptions
 
 
 @dataclass
@@ -58,6 +59,8 @@ class RunState:
     #: settings the pipeline ranks already agreed on / plans already logged
     agreed: set = field(default_factory=set)
     planned: set = field(default_factory=set)
+    #: schedule="auto": what was measured and chosen (reset when the options change)
+    auto: AutoSchedule | None = None
 
     def summary(self) -> str | None:
         """The last traced step, measured beside predicted (pipeline rank 0), else None."""
@@ -83,7 +86,7 @@ def _transport_for(group) -> TorchDistTransport:
 
 
 def schedule_for(options: PipelineOptions, p: int, m: int, num_chunks: int, forward_only: bool,
-                 config=None) -> Schedule:
+                 config=None, extra_options: dict | None = None) -> Schedule:
     """This step's schedule; checks the model chunks against what the schedule needs."""
     if isinstance(m, bool) or not isinstance(m, int) or m < 1:
         raise ValueError(
@@ -111,7 +114,7 @@ def schedule_for(options: PipelineOptions, p: int, m: int, num_chunks: int, forw
             + ("" if spec.name == "interleaved" or spec.layout == "v" or num_chunks < 2 else
                f", or choose a schedule for {num_chunks} chunks per rank ('interleaved')")
         )
-    builder_options = options.builder_options()
+    builder_options = {**options.builder_options(), **(extra_options or {})}
     if (spec.name == "interleaved" and "microbatch_group_size_per_vp_stage" not in builder_options
             and getattr(config, "microbatch_group_size_per_vp_stage", None)):
         builder_options["microbatch_group_size_per_vp_stage"] = (
@@ -233,7 +236,15 @@ def forward_backward_pipelining(
     p = check_pipeline_size(pp_group, p2p_communicator, pg_collection, config)
     rank = pp_group.rank()
 
-    schedule = schedule_for(options, p, num_microbatches, len(models), forward_only, config)
+    auto, extra_options = None, None
+    if options.schedule == AUTO:
+        if STATE.auto is None:
+            STATE.auto = AutoSchedule(options.auto_measure_steps, options.auto_memory_budget_bytes,
+                                      options.auto_activation_bytes)
+        auto = STATE.auto
+        options, extra_options = auto.options_for_step(options, models, pp_group)
+    schedule = schedule_for(options, p, num_microbatches, len(models), forward_only, config,
+                            extra_options)
     last_stage_here = schedule.rank_of(schedule.num_stages - 1) == rank
 
     shapes = get_tensor_shapes(seq_length=seq_length, micro_batch_size=micro_batch_size,
@@ -274,6 +285,8 @@ def forward_backward_pipelining(
                         dtype=pipeline_dtype,
                         device=transport.device, timeout_s=timeout, variable_shapes=variable,
                         trace=options.trace, timers=config.timers)
+    measuring = auto is not None and auto.measuring and not forward_only
+    memory_probe = device_helper.start_memory_probe(transport.device) if measuring else None
     try:
         result = executor.run()
     except PipelineTimeoutError as exc:
@@ -295,6 +308,10 @@ def forward_backward_pipelining(
         config.timers("forward-backward").stop()
     if options.trace:
         _trace_step(result, schedule, rank, pp_group, transport.device, config)
+    if measuring:
+        memory = device_helper.finish_memory_probe(transport.device, memory_probe,
+                                                   result.peak_activations)
+        auto.after_step(result, schedule, pp_group, memory)
 
     STATE.last_step, STATE.last_schedule = result, schedule
     STATE.steps_run += 1
@@ -312,7 +329,7 @@ class ScheduleFunction:
 
     def __call__(self, **kwargs):
         if STATE.options != self.options:
-            STATE.options, STATE.steps_run = self.options, 0
+            STATE.options, STATE.steps_run, STATE.auto = self.options, 0, None
         return forward_backward_pipelining(**kwargs)
 
     def __repr__(self) -> str:

@@ -29,6 +29,7 @@ def install(schedule: str | None = None, **options) -> PipelineOptions:
     active = PipelineOptions.from_kwargs(schedule, **options)
     if STATE.options != active:
         STATE.steps_run = 0  # a new schedule gets the first-step timeout again
+        STATE.auto = None  # and "auto" measures again
     STATE.options = active
     if not _patched:
         _patch_megatron()
