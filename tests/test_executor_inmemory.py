@@ -90,3 +90,39 @@ def test_ranks_receive_in_the_senders_order():
     ref_grads, _ = reference_gradients(4, 4)
     for stage, grad in ref_grads.items():
         torch.testing.assert_close(grads[stage], grad, rtol=1e-12, atol=1e-12)
+
+
+class OverlappingWork:
+    """Mixin: a model that offers DualPipe's overlapped forward-backward in one call."""
+
+    def overlapped_forward_backward(self, f_action, f_input, b_action, b_grad):
+        self.pairs.append(f"{f_action}+{b_action}")
+        return self.forward(f_action, f_input), self.backward(b_action, b_grad)
+
+
+def test_dualpipev_pairs_run_in_one_call_when_the_model_offers_it(monkeypatch):
+    import inmemory_helpers
+
+    class Work(OverlappingWork, inmemory_helpers.RecordingWork):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.pairs = []
+
+    monkeypatch.setattr(inmemory_helpers, "RecordingWork", Work)
+    schedule = build_schedule("dualpipev", 4, 8)
+    results = run_inmemory(schedule)
+    pairs = [work.pairs for _, work in results]
+    # a pair runs in one call when the backward's input is already there: always on rank 0
+    # (the last stage's loss) and rank p-1 (its stage p hands the gradient over locally)
+    assert pairs[0] == ["0F4+7I0", "0F5+7I1", "0F6+7I2", "0F7+7B3"]
+    assert pairs[3] == ["4F4+3B0", "4F5+3B1", "4F6+3B2", "4F7+3B3"]
+    for rank, (_, work) in enumerate(results):
+        assert work.computed == [str(a) for a in schedule.actions[rank]]  # same order
+        for pair in work.pairs:  # each pair is an F and the backward right after it
+            f, b = pair.split("+")
+            row = [str(a) for a in schedule.actions[rank]]
+            assert row.index(b) == row.index(f) + 1 and "F" in f and ("B" in b or "I" in b)
+    grads, _ = gathered(results)
+    ref_grads, _ = reference_gradients(schedule.num_stages, 8)
+    for stage, grad in ref_grads.items():
+        torch.testing.assert_close(grads[stage], grad, rtol=1e-12, atol=1e-12)

@@ -21,7 +21,7 @@ from megatron_pp_ext.runtime.errors import PipelineTimeoutError
 from megatron_pp_ext.runtime.executor import Executor
 from megatron_pp_ext.schedules import build_schedule
 
-from inmemory_helpers import ROWS, WIDTH, RecordingWork, run_inmemory
+from inmemory_helpers import ROWS, WIDTH, RecordingWork
 
 P2P_TIMEOUT = 5.0
 

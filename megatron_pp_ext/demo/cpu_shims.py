@@ -30,7 +30,6 @@ undone by :func:`remove_cpu_shims` (or on leaving :func:`cpu_shims`). One shim p
 from __future__ import annotations
 
 import contextlib
-import sys
 import threading
 import types
 from typing import Any, Callable, Iterator

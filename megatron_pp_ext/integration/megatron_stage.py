@@ -126,6 +126,13 @@ class GradSync:
                     self.grad_sync[chunk](model.parameters())
 
 
+def _unwrapped(module):
+    """The model inside DDP / Float16Module wrappers."""
+    while hasattr(module, "module"):
+        module = module.module
+    return module
+
+
 class MegatronStageWork:
     """Computes this rank's actions on its Megatron model chunks."""
 
@@ -150,6 +157,23 @@ class MegatronStageWork:
             first_backward = next((i for i, a in enumerate(actions) if a.kind != FORWARD),
                                   len(actions))
             self.max_outstanding = max(1, sum(a.kind == FORWARD for a in actions[:first_backward]))
+
+        # DualPipeV's overlapped F&B pairs: offered to the executor only when the model has
+        # the hook ``overlapped_forward_backward(run_forward, run_backward) -> (out, grad)``,
+        # which may run the two thunks concurrently (e.g. one's compute under the other's
+        # all-to-all); without it the pair runs one action after the other.
+        hooks = [getattr(_unwrapped(chunk), "overlapped_forward_backward", None)
+                 for chunk in model_chunks]
+        if any(callable(hook) for hook in hooks):
+            self._overlap_hooks = hooks
+            self.overlapped_forward_backward = self._overlapped
+
+    def _overlapped(self, f_action: Action, f_input, b_action: Action, b_grad):
+        hook = self._overlap_hooks[self._chunk(f_action.stage)]
+        if not callable(hook):
+            return self.forward(f_action, f_input), self.backward(b_action, b_grad)
+        return hook(lambda: self.forward(f_action, f_input),
+                    lambda: self.backward(b_action, b_grad))
 
     def _chunk(self, stage: int) -> int:
         return self.schedule.chunk_of(stage)

@@ -22,7 +22,7 @@ from typing import Callable, Protocol
 
 import torch
 
-from ..ir import BACKWARD, BACKWARD_WEIGHT, FORWARD, Action, Schedule
+from ..ir import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action, Schedule
 from ..timeline import COMM_WAIT, COMPUTE, Event
 from .errors import PipelineTimeoutError
 from .transport import RecvRequest, TransportTimeout
@@ -190,80 +190,129 @@ class Executor:
         self.plans = comm_plan(schedule, rank)
         # Activations are held until a B, or a W, frees them; a forward-only list holds none.
         self.frees_activations = any(a.kind != FORWARD for a in self.actions)
+        # DualPipeV's F&B pairs run in one call when the work (the model) offers one.
+        self.overlap = bool(schedule.options.get("overlapped_pairs")) and callable(
+            getattr(work, "overlapped_forward_backward", None))
 
     def run(self) -> StepResult:
-        history = collections.deque(maxlen=32)
-        calls = collections.Counter()
-        events: list[Event] = []
-        self._history, self._events = history, events  # for errors and send waits
-        local: dict[tuple, object] = {}  # tensors handed between stages of this rank
-        unsent: list[tuple] = []  # (send handle, output, message) until the send is done
-        inbox = Inbox(incoming_messages(self.schedule, self.rank))
-        held = peak = 0
-        n = len(self.actions)
-
+        self._history = history = collections.deque(maxlen=32)  # for errors and send waits
+        self._events = events = []
+        self._calls = collections.Counter()
+        self._local: dict[tuple, object] = {}  # tensors handed between stages of this rank
+        self._unsent: list[tuple] = []  # (send handle, output, message) until the send is done
+        self._inbox = Inbox(incoming_messages(self.schedule, self.rank))
+        self._held = self._peak = 0
         begin = getattr(self.work, "begin", None)
-        for i, action in enumerate(self.actions):
-            plan = self.plans[i]
+        i = 0
+        while i < len(self.actions):
+            action = self.actions[i]
             if begin is not None:
                 begin(action)
-            # ---- inputs
-            if plan.recv is not None:
-                received = self._take(inbox, plan.recv, action, calls, history, events)
-                if plan.recv.carries == ACTIVATION and received.is_floating_point():
-                    received.requires_grad_(True)
-                incoming = received
-            else:
-                incoming = local.pop(self._local_key(action), None)
-            if action.kind != FORWARD:
-                # Megatron's backward wants the sent output already deallocated.
-                unsent = self._settle_output_of(action, unsent, history)
-            # ---- compute
+            incoming = self._input_of(i, action)
+            if self._can_overlap(i):
+                # DualPipe's overlapped F&B pair, when the model computes it in one call
+                # and the backward's input is already here (never waited for early).
+                partner = self.actions[i + 1]
+                if begin is not None:
+                    begin(partner)
+                partner_in = self._input_of(i + 1, partner)
+                start = self.clock() if self.trace else 0.0
+                produced, partner_out = self.work.overlapped_forward_backward(
+                    action, incoming, partner, partner_in)
+                self._count(action)
+                self._count(partner)
+                self._record(start, f"{action}+{partner}")
+                self._emit(i, action, produced)
+                self._emit(i + 1, partner, partner_out)
+                i += 2
+                continue
             start = self.clock() if self.trace else 0.0
-            produced = None
-            if action.kind == FORWARD:
-                produced = self.work.forward(action, incoming)
-                if self.frees_activations:
-                    held += 1
-                    peak = max(peak, held)
-            elif action.kind == BACKWARD_WEIGHT:
-                self.work.weight(action)
-                held -= 1
-            else:
-                produced = self.work.backward(action, incoming)
-                if action.kind == BACKWARD:
-                    held -= 1
-            if self.trace:
-                events.append(Event(self.rank, str(action), start, self.clock(), COMPUTE))
-            history.append(str(action))
-            # ---- outputs: local handoff, or one call that also posts the next receive
-            if plan.send is None and produced is not None:
-                self._hand_over(action, produced, local)
-            send = (produced, plan.send.peer) if plan.send is not None else None
-            if send is not None:
-                self._check_outgoing(produced, plan.send, action)
-            # As Megatron: a send fuses with the next action's receive when they go opposite
-            # ways (send_forward_recv_backward, send_backward_recv_forward); any other
-            # receive is posted when its action starts.
-            next_recv = self.plans[i + 1].recv if i + 1 < n else None
-            to_post = None
-            if send is not None and next_recv is not None \
-                    and next_recv.carries != plan.send.carries:
-                to_post = inbox.to_post(next_recv)
-            handle = self._post(send, plan.send, to_post, inbox, calls)
-            if handle is not None:
-                unsent.append((handle, produced, plan.send))
-            unsent = self._reap(unsent)
+            produced = self._compute(action, incoming)
+            self._record(start, str(action))
+            self._emit(i, action, produced)
+            i += 1
 
-        for handle, output, message in unsent:
+        for handle, output, message in self._unsent:
             self._finish_send(handle, message, history)
             self._release(output, message)
-        if local or inbox.stash:
+        if self._local or self._inbox.stash:
             raise RuntimeError(
                 f"rank {self.rank}: tensors were left unconsumed at the end of the step: "
-                f"{sorted(local) + [str(m) for m in inbox.stash]} (the schedule lacks their "
-                "consumers)")
-        return StepResult(list(self.actions), peak, calls, events)
+                f"{sorted(self._local) + [str(m) for m in self._inbox.stash]} (the schedule "
+                "lacks their consumers)")
+        return StepResult(list(self.actions), self._peak, self._calls, events)
+
+    def _input_of(self, i: int, action: Action):
+        """Receive (or take over locally) what ``action`` needs."""
+        plan = self.plans[i]
+        if plan.recv is not None:
+            incoming = self._take(self._inbox, plan.recv, action, self._calls, self._history,
+                                  self._events)
+            if plan.recv.carries == ACTIVATION and incoming.is_floating_point():
+                incoming.requires_grad_(True)
+        else:
+            incoming = self._local.pop(self._local_key(action), None)
+        if action.kind != FORWARD:
+            # Megatron's backward wants the sent output already deallocated.
+            self._unsent = self._settle_output_of(action, self._unsent, self._history)
+        return incoming
+
+    def _compute(self, action: Action, incoming):
+        if action.kind == FORWARD:
+            produced = self.work.forward(action, incoming)
+        elif action.kind == BACKWARD_WEIGHT:
+            produced = self.work.weight(action)
+        else:
+            produced = self.work.backward(action, incoming)
+        self._count(action)
+        return produced
+
+    def _count(self, action: Action) -> None:
+        """Activations held: +1 at the end of an F, -1 at the end of the B or W that frees it."""
+        if action.kind == FORWARD:
+            if self.frees_activations:
+                self._held += 1
+                self._peak = max(self._peak, self._held)
+        elif action.kind in (BACKWARD, BACKWARD_WEIGHT):
+            self._held -= 1
+
+    def _record(self, start: float, label: str) -> None:
+        if self.trace:
+            self._events.append(Event(self.rank, label, start, self.clock(), COMPUTE))
+        self._history.append(label)
+
+    def _emit(self, i: int, action: Action, produced) -> None:
+        """Hand the output over locally, or send it in one call with the next receive."""
+        plan = self.plans[i]
+        if plan.send is None and produced is not None:
+            self._hand_over(action, produced, self._local)
+        send = (produced, plan.send.peer) if plan.send is not None else None
+        if send is not None:
+            self._check_outgoing(produced, plan.send, action)
+        # As Megatron: a send fuses with the next action's receive when they go opposite
+        # ways (send_forward_recv_backward, send_backward_recv_forward); any other receive
+        # is posted when its action starts.
+        next_recv = self.plans[i + 1].recv if i + 1 < len(self.actions) else None
+        to_post = None
+        if send is not None and next_recv is not None and next_recv.carries != plan.send.carries:
+            to_post = self._inbox.to_post(next_recv)
+        handle = self._post(send, plan.send, to_post, self._inbox, self._calls)
+        if handle is not None:
+            self._unsent.append((handle, produced, plan.send))
+        self._unsent = self._reap(self._unsent)
+
+    def _can_overlap(self, i: int) -> bool:
+        if not self.overlap or i + 1 >= len(self.actions):
+            return False
+        first, second = self.actions[i], self.actions[i + 1]
+        if first.kind != FORWARD or second.kind not in (BACKWARD, BACKWARD_INPUT) \
+                or first.stage == second.stage:
+            return False
+        needed = self.plans[i + 1].recv
+        if needed is not None:
+            return needed in self._inbox.stash
+        return (second.stage == self.schedule.num_stages - 1
+                or self._local_key(second) in self._local)
 
     # ------------------------------------------------------------------ helpers
     def _local_key(self, action: Action):

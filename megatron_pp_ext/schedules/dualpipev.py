@@ -145,7 +145,9 @@ def build_dualpipev(num_ranks: int, num_microbatches: int, chunks: int = 2,
         if forward_only:
             order = [x for x in order if x.kind == "F"]
         rows.append(order)
-    options = {"chunks": 2, "forward_only": forward_only, "match_dualpipe": bool(match_dualpipe)}
+    options = {"chunks": 2, "forward_only": forward_only, "match_dualpipe": bool(match_dualpipe),
+               # consecutive F, B/I of the two chunks may run as one overlapped call
+               "overlapped_pairs": not forward_only}
     if built != m:
         options["built_for_microbatches"] = built
     return Schedule("dualpipev", m, v_placement(p), rows, options)
