@@ -107,6 +107,17 @@ class Timeline:
         return data
 
     @staticmethod
+    def of_schedule(schedule, events: list[Event], peak_activations: list[int], source: str,
+                    unit: str) -> "Timeline":
+        """A schedule's timeline, events ordered by rank then time (a wait before the
+        compute it precedes)."""
+        events.sort(key=lambda e: (e.rank, e.start, e.category == COMPUTE))
+        return Timeline(schedule=schedule.name, num_ranks=schedule.num_ranks,
+                        num_microbatches=schedule.num_microbatches, chunks=schedule.chunks,
+                        events=events, peak_activations=list(peak_activations),
+                        source=source, unit=unit)
+
+    @staticmethod
     def from_dict(data: dict) -> "Timeline":
         fields = {k: v for k, v in data.items() if k not in ("makespan", "bubble_fraction")}
         fields["events"] = [Event(**e) for e in data.get("events", [])]

@@ -104,14 +104,4 @@ def simulate(schedule: Schedule, costs: CostModel | None = None, validate: bool 
 
     position = execute_in_order(schedule, run)
     explain_blocked(schedule, position)  # raises if some rank could not finish
-    events.sort(key=lambda e: (e.rank, e.start, e.category == COMPUTE))
-    return Timeline(
-        schedule=schedule.name,
-        num_ranks=schedule.num_ranks,
-        num_microbatches=schedule.num_microbatches,
-        chunks=schedule.chunks,
-        events=events,
-        peak_activations=peak_activations(schedule),
-        source="predicted",
-        unit="t",
-    )
+    return Timeline.of_schedule(schedule, events, peak_activations(schedule), "predicted", "t")

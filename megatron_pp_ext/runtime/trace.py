@@ -83,17 +83,8 @@ def build_timeline(schedule: Schedule, payloads: Sequence[dict]) -> Timeline:
     for e in events:
         e.start -= origin
         e.end -= origin
-    events.sort(key=lambda e: (e.rank, e.start, e.category == COMPUTE))
-    return Timeline(
-        schedule=schedule.name,
-        num_ranks=schedule.num_ranks,
-        num_microbatches=schedule.num_microbatches,
-        chunks=schedule.chunks,
-        events=events,
-        peak_activations=[by_rank[r]["peak_activations"] for r in range(schedule.num_ranks)],
-        source="measured",
-        unit="s",
-    )
+    peaks = [by_rank[r]["peak_activations"] for r in range(schedule.num_ranks)]
+    return Timeline.of_schedule(schedule, events, peaks, "measured", "s")
 
 
 def local_timeline(schedule: Schedule, results: Sequence) -> Timeline:
