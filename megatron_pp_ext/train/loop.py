@@ -27,7 +27,7 @@ import torch.distributed as dist
 from .. import device as device_helper
 from .cpu_optimizer import apply_cpu_optimizer_shims
 from .data import counting_batches
-from .measure import StepMeasurement, gather_step, unit_cost_bubble
+from .measure import StepMeasurement, costs_per_rank, gather_step, unit_cost_bubble
 from .progress import Progress, format_step
 from .report import write_outputs
 from .settings import TrainSettings
@@ -137,6 +137,8 @@ def train_rank(rank: int, world_size: int, settings: TrainSettings, launcher: st
         "peak_activations": measurement.peak_activations,
         "makespan_measured_s": measurement.timeline.makespan if measurement.timeline else None,
         "makespan_predicted_s": predicted.makespan if predicted is not None else None,
+        "measured_costs_per_rank_s": (costs_per_rank(schedule, measurement.timeline)
+                                      if measurement.timeline is not None else None),
         "settings": settings.to_dict(),
         "seconds_total": time.perf_counter() - started,
     }

@@ -102,3 +102,23 @@ def unit_cost_bubble(schedule: Schedule) -> float:
     v = schedule.chunks
     return simulate(schedule, CostModel(t_f=1 / v, t_i=1 / v, t_w=1 / v),
                     validate=False).bubble_fraction
+
+
+def costs_per_rank(schedule: Schedule, measured: Timeline) -> dict[str, list[float]]:
+    """Each rank's measured cost of one microbatch over all its stages (seconds), by kind:
+    what ``python -m megatron_pp_ext select --t-f ... --t-i ... --t-w ...`` takes. Kinds the
+    schedule never ran are left out (a split schedule has no B, a plain one no I or W)."""
+    durations: dict[tuple[str, int], list[float]] = defaultdict(list)
+    for e in measured.events:
+        if e.category == COMPUTE:
+            action = Action.parse(e.label)
+            durations[(action.kind, action.stage)].append(e.duration)
+    out = {}
+    for kind, name in (("F", "t_f"), ("B", "t_b"), ("I", "t_i"), ("W", "t_w")):
+        if not any(k == kind for k, _ in durations):
+            continue
+        out[name] = [
+            sum(sum(durations[(kind, s)]) / len(durations[(kind, s)])
+                for s in schedule.stages_of(r) if durations.get((kind, s)))
+            for r in range(schedule.num_ranks)]
+    return out

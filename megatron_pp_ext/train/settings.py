@@ -18,7 +18,7 @@ class TrainSettings:
     pp: int = 4  # pipeline ranks
     microbatches: int = 8  # per step
     chunks: int | None = None  # model chunks per rank; None: the schedule's own (interleaved 2)
-    steps: int = 20
+    steps: int = 50
     out: str = "out/train"
     trace: bool = True  # record measured timelines (per-step bubble, timeline.html, trace.json)
     seed: int = 1234
