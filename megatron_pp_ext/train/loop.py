@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 
 from .. import device as device_helper
+from ..integration.plan import plan_text
+from ..schedules import build_schedule
 from .cpu_optimizer import apply_cpu_optimizer_shims
 from .data import counting_batches
 from .measure import StepMeasurement, costs_per_rank, gather_step, unit_cost_bubble
@@ -67,6 +69,11 @@ def train_rank(rank: int, world_size: int, settings: TrainSettings, launcher: st
             f"dp={dp_size}, {settings.microbatches} microbatches of {cfg.micro_batch_size}x"
             f"{cfg.seq_length} tokens, {settings.steps} steps, {backend} via {launcher} "
             f"(ready in {time.perf_counter() - started:.1f} s)")
+        if settings.pp > 1:  # what the plugin logs at INFO before the first step
+            schedule = build_schedule(settings.schedule, settings.pp, settings.microbatches,
+                                      settings.v)
+            progress.message(plan_text(schedule, (cfg.seq_length, cfg.micro_batch_size,
+                                                  cfg.hidden_size), torch.float32))
         progress.start()
 
     losses, step_times, grad_norms, bubbles, predicted_bubbles = [], [], [], [], []
