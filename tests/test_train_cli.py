@@ -70,9 +70,19 @@ def test_train_1f1b_and_zb_v(tmp_path):
     # same model, same data, same optimizer: every schedule computes the same losses
     assert zbv["losses"] == pytest.approx(summary["losses"], rel=1e-4)
 
+    out = tmp_path / "auto"
+    proc = _train("--schedule", "auto", "--pp", "2", "--microbatches", "4", "--steps", "3",
+                  "--out", str(out))
+    auto = _check_run(out, proc, "auto", 1, 3)
+    assert auto["auto_choice"] in ("gpipe", "1f1b", "zb-h1", "zb-h2")
+    said = [line for line in proc.stdout.splitlines() if line.startswith("auto: chose ")]
+    assert len(said) == 1 and auto["auto_choice"] in said[0] and "faster" in said[0]
+    assert auto["losses"] == pytest.approx(summary["losses"], rel=1e-4)  # switched, same training
+
 
 @pytest.mark.parametrize("args, words", [
     (["--schedule", "1f1bb"], "unknown schedule '1f1bb'"),
+    (["--schedule", "auto", "--chunks", "3"], "--schedule auto takes --chunks 1"),
     (["--pp", "0"], "--pp 0 must be"),
     (["--schedule", "interleaved", "--pp", "4", "--microbatches", "3"], "interleaved"),
     (["--schedule", "zb-v", "--chunks", "3"], "--chunks 3"),

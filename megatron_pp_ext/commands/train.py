@@ -25,7 +25,8 @@ def register(subparsers) -> None:
     )
     d = DEFAULTS
     parser.add_argument("--schedule", default=d.schedule, metavar="NAME",
-                        help=f"one of {', '.join(schedule_names())} (default {d.schedule})")
+                        help=f"one of {', '.join(schedule_names())}, or auto (measure the "
+                        f"first step, then run the fastest that fits; default {d.schedule})")
     parser.add_argument("--pp", type=int, default=d.pp, metavar="P",
                         help=f"pipeline ranks (default {d.pp})")
     parser.add_argument("--microbatches", "-m", type=int, default=d.microbatches, metavar="M",

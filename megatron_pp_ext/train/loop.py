@@ -70,8 +70,8 @@ def train_rank(rank: int, world_size: int, settings: TrainSettings, launcher: st
             f"{cfg.seq_length} tokens, {settings.steps} steps, {backend} via {launcher} "
             f"(ready in {time.perf_counter() - started:.1f} s)")
         if settings.pp > 1:  # what the plugin logs at INFO before the first step
-            schedule = build_schedule(settings.schedule, settings.pp, settings.microbatches,
-                                      settings.v)
+            schedule = build_schedule(settings.first_schedule, settings.pp,
+                                      settings.microbatches, settings.v)
             progress.message(plan_text(schedule, (cfg.seq_length, cfg.micro_batch_size,
                                                   cfg.hidden_size), torch.float32))
         progress.start()
@@ -100,6 +100,8 @@ def train_rank(rank: int, world_size: int, settings: TrainSettings, launcher: st
         step_times.append(time.perf_counter() - t0)
 
         loss = _mean_loss(outputs, last_pipeline_rank, dp_size, device)
+        if talk and step == 0 and STATE.auto is not None and STATE.auto.choice is not None:
+            progress.message(f"auto: {STATE.auto.choice.reason}")
         measurement = (gather_step(STATE, pp_group, settings.trace) if settings.pp > 1
                        else StepMeasurement([1], None))
         if not talk:
@@ -123,6 +125,7 @@ def train_rank(rank: int, world_size: int, settings: TrainSettings, launcher: st
     schedule = STATE.last_schedule
     summary = {
         "schedule": settings.schedule,
+        "auto_choice": STATE.auto.choice.schedule if STATE.auto and STATE.auto.choice else None,
         "pp": settings.pp,
         "microbatches": settings.microbatches,
         "chunks": settings.v,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from ..integration.options import AUTO
 from ..ir import ScheduleError
 from ..schedules import build_schedule, get_spec
 
@@ -34,15 +35,23 @@ class TrainSettings:
 
     # ---- derived
     @property
+    def first_schedule(self) -> str:
+        """The schedule of the first step: ``auto`` measures with 1f1b (one chunk per rank)
+        or zb-v (--chunks 2: the V layout), then picks among the schedules of that layout."""
+        if self.schedule != AUTO:
+            return self.schedule
+        return "zb-v" if self.chunks == 2 else "1f1b"
+
+    @property
     def v(self) -> int:
         """Model chunks per rank."""
-        spec = get_spec(self.schedule)
+        spec = get_spec(self.first_schedule)
         return spec.default_chunks if self.chunks is None else self.chunks
 
     @property
     def layout(self) -> str:
         """``"v"`` for zb-v / dualpipev (rank r holds stages r and 2p-1-r), else ``"loop"``."""
-        return get_spec(self.schedule).layout
+        return get_spec(self.first_schedule).layout
 
     @property
     def vp_size(self) -> int | None:
@@ -70,7 +79,10 @@ class TrainSettings:
     # ---- checks
     def check(self) -> None:
         """Raise ``ValueError`` (one sentence, with the fix) for anything that cannot run."""
-        spec = get_spec(self.schedule)  # unknown names: ScheduleError with the closest match
+        if self.schedule == AUTO and self.chunks not in (None, 1, 2):
+            raise ValueError(f"--schedule auto takes --chunks 1 (gpipe, 1f1b, zb-h1, zb-h2) or 2 "
+                             f"(the V layout: zb-v, dualpipev), not {self.chunks}")
+        spec = get_spec(self.first_schedule)  # unknown names: ScheduleError, closest named
         for name in ("pp", "microbatches", "steps", "hidden", "heads", "seq_length",
                      "micro_batch_size"):
             value = getattr(self, name)
@@ -102,7 +114,7 @@ class TrainSettings:
         if self.hidden % self.heads:
             raise ValueError(f"--hidden {self.hidden} must be a multiple of --heads {self.heads}")
         try:  # the builder's own constraints (e.g. interleaved: p <= m, m mod p), validated
-            build_schedule(self.schedule, self.pp, self.microbatches, self.v)
+            build_schedule(self.first_schedule, self.pp, self.microbatches, self.v)
         except ScheduleError as exc:
             raise ValueError(" ".join(str(exc).split())) from None
 
