@@ -156,3 +156,11 @@ def test_a_module_the_split_cannot_defer_still_trains_with_a_warning():
     assert_grads_close(got, want, **FP32)
     adapter = [k for k in got if "foreign_adapter" in k]
     assert adapter and any(float(got[k].abs().sum()) > 0 for k in adapter)
+
+
+def test_a_v_schedule_on_a_model_built_in_megatrons_layout_names_the_layout():
+    with pytest.raises(Exception) as info:
+        spawn(2, probe_step, ScheduleFunction("zb-v"), pp=2, vp=2, layout="loop")
+    message = str(info.value)
+    assert "schedule 'zb-v' runs stage" in message and "the V layout" in message
+    assert "built with post_process=" in message or "built with pre_process=" in message

@@ -123,6 +123,29 @@ def schedule_for(options: PipelineOptions, p: int, m: int, num_chunks: int, forw
                             tuple(sorted(builder_options.items())))
 
 
+def check_chunk_placement(schedule: Schedule, rank: int, models) -> None:
+    """Each local chunk must be built for the stage the schedule gives it: the embedding on
+    stage 0, the loss on the last stage (the V layout puts that on rank 0's chunk 1)."""
+    from megatron.core.utils import get_attr_wrapped_model
+
+    last = schedule.num_stages - 1
+    for chunk, (stage, model) in enumerate(zip(schedule.stages_of(rank), models)):
+        for flag, expected in (("pre_process", stage == 0), ("post_process", stage == last)):
+            try:
+                built = bool(get_attr_wrapped_model(model, flag))
+            except (RuntimeError, AttributeError):
+                continue  # not a Megatron model: nothing to check
+            if built != expected:
+                layout = ("the V layout: rank r holds stages r and 2p-1-r, so rank 0's chunk 1 "
+                          "computes the loss" if get_spec(schedule.name).layout == "v" else
+                          "Megatron's layout: chunk c of rank r is stage c*p + r")
+                raise ValueError(
+                    f"schedule {schedule.name!r} runs stage {stage} on rank {rank}, chunk "
+                    f"{chunk} ({layout}), but that model chunk was built with {flag}={built}; "
+                    "build the chunks for this layout (docs/building-models-for-v-layout.md) "
+                    "or choose a schedule for how the model is built")
+
+
 def _as_list(value, name: str, expected: int) -> list:
     values = value if isinstance(value, list) else [value]
     if len(values) != expected:
@@ -246,6 +269,7 @@ def forward_backward_pipelining(
     schedule = schedule_for(options, p, num_microbatches, len(models), forward_only, config,
                             extra_options)
     last_stage_here = schedule.rank_of(schedule.num_stages - 1) == rank
+    check_chunk_placement(schedule, rank, models)  # a few attribute reads
 
     shapes = get_tensor_shapes(seq_length=seq_length, micro_batch_size=micro_batch_size,
                                decoder_seq_length=decoder_seq_length, config=config,
