@@ -1,0 +1,444 @@
+"""Bench (a): every schedule on an emulated device, over the real Executor and gloo.
+
+A rank's part of the model costs ``t_F`` for a forward, ``t_I`` for the input-gradient half of
+a backward and ``t_W`` for its weight-gradient half (a full backward ``t_B = t_I + t_W``): the
+stages sleep those times, standing in for GPU kernels that leave the CPU free. A schedule with
+``v`` chunks per rank (interleaved, zb-v, dualpipev) runs chunks costing ``1/v`` of that, so
+every schedule does the same work per rank (``m (t_F + t_I + t_W)``), as in
+``megatron_pp_ext.analysis.select``.
+
+One process tree per pipeline size ``p`` runs, for each ``m``:
+
+* the plugin's schedules: ``Executor(schedule, rank, TorchDistTransport(), EmulatedStageWork)``;
+* Megatron-Core 0.19.2's OWN ``forward_backward_pipelining_without_interleaving`` and
+  ``..._with_interleaving`` on a minimal fake Megatron model (:class:`SleepStage`: a module
+  with ``.config`` and ``set_input_tensor`` whose autograd Function sleeps ``t_F`` forward and
+  ``t_B`` backward), and the plugin's drop-in ``ScheduleFunction("1f1b")`` on the same fake
+  model (the two 1F1B implementations over identical stage code);
+
+every step between two barriers (as Megatron's optimizer step synchronizes the ranks),
+schedules in a rotating order, ``reps`` rounds. A step's time is the last rank's end minus
+the first rank's start (one monotonic clock for all processes of the machine).
+
+Then, with no barrier: ``k`` steps back to back per schedule (each rank starts its next step as
+soon as its own part of the previous one is done), ``b2b_reps`` rounds in rotating order. The
+steady-state time per step is ``(E_k - E_1) / (k - 1)``, ``E_j`` the time the last rank
+finishes step ``j``; the median over the rounds.
+
+Predictions: ``simulate`` with the same costs and ``t_comm`` = half the mean round trip of
+an activation-sized message over gloo between two ranks: one value per tree, used for every
+schedule, from ping-pongs sampled at the start and before every round (so under the same
+load as the steps; the mean, as a step sums many hops); the back-to-back prediction simulates the ``k`` steps as one concatenated schedule and
+applies the same ``(E_k - E_1) / (k - 1)``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from megatron_pp_ext.analysis.simulate import CostModel, simulate
+from megatron_pp_ext.ir import Action, Schedule
+from megatron_pp_ext.schedules import build_schedule
+
+# Plugin schedules: (label, registry name, v)
+PLUGIN = [("gpipe", "gpipe", 1), ("1f1b", "1f1b", 1), ("interleaved v=2", "interleaved", 2),
+          ("zb-h1", "zb-h1", 1), ("zb-h2", "zb-h2", 1), ("zb-v", "zb-v", 2),
+          ("dualpipev", "dualpipev", 2)]
+# Runs on the fake Megatron model: (label, which function, v, what to predict it with)
+MEGATRON = [("megatron 1f1b", "megatron-1f1b", 1, ("1f1b", 1)),
+            ("megatron interleaved v=2", "megatron-interleaved", 2, ("interleaved", 2)),
+            ("plugin 1f1b on megatron stage", "plugin-1f1b", 1, ("1f1b", 1))]
+BACK_TO_BACK = ["1f1b", "zb-h1", "zb-h2", "zb-v", "dualpipev", "megatron 1f1b"]
+
+ROWS, WIDTH = 8, 64  # the emulated activation: 8 x 64 float64 = 4 KiB
+SEQ, MBS = 16, 1  # the fake Megatron model's activation: 16 x 1 x 64 float32 = 4 KiB
+
+
+@dataclass(frozen=True)
+class Setup:
+    p: int
+    ms: tuple
+    t: float = 0.020  # t_F = t_I = t_W, seconds (per rank; a chunk costs t / v)
+    reps: int = 5
+    k_steps: int = 4  # back-to-back steps per schedule
+    b2b_reps: int = 3  # rounds of back-to-back runs
+    back_to_back_ms: tuple = ()  # the m's to run back to back (none: skip)
+    megatron: bool = True
+    niceness: int = -20  # 0: leave the priority alone
+    only: tuple = ()  # run just these labels (empty: all)
+
+
+def costs_for(t: float, v: int):
+    from megatron_pp_ext.emulated import EmulatedCosts
+
+    return EmulatedCosts(t_f=t / v, t_i=t / v, t_w=t / v)
+
+
+class DeviceClock:
+    """Makes an action last its cost, as a device kernel would: the action's CPU work runs
+    first, then a sleep until ``start + cost``. ``time.sleep`` wakes late (~0.1 ms on an idle
+    machine, more with more busy processes than cores); each process keeps a running mean of
+    how late it woke (each observation capped at ``CAP``, so one long preemption does not
+    shorten the next sleeps) and sleeps that much less, so an action lasts its cost on
+    average instead of cost + wake-up latency, which would charge schedules with more,
+    shorter actions for an artefact of the emulation."""
+
+    late = 0.0  # running mean of the wake-up delay in this process, seconds
+    CAP = 0.001
+
+    @classmethod
+    def wait_until(cls, deadline: float) -> None:
+        remaining = deadline - time.perf_counter()
+        if remaining <= 0:
+            return
+        time.sleep(max(0.0, remaining - cls.late))
+        woke = time.perf_counter() - (deadline - cls.late)  # delay of this wake-up
+        cls.late += 0.1 * (min(max(woke, 0.0), cls.CAP) - cls.late)
+
+
+def raise_priority(niceness: int = -20) -> bool:
+    """Renice every thread of this process (gloo's included; Linux nice is per thread), so
+    that a rank that wakes from a sleep or a receive gets a core promptly on a machine shared
+    with other work. The ranks sleep most of the time, so this takes little from anyone.
+    Best effort: False where not permitted."""
+    import os
+
+    try:
+        for tid in os.listdir("/proc/self/task"):
+            os.setpriority(os.PRIO_PROCESS, int(tid), niceness)
+        return True
+    except (OSError, PermissionError):
+        return False
+
+
+def device_work_class():
+    from megatron_pp_ext.emulated import EmulatedCosts, EmulatedStageWork
+
+    class DeviceStageWork(EmulatedStageWork):
+        """``EmulatedStageWork`` whose actions last their cost (``DeviceClock``)."""
+
+        def __init__(self, schedule, rank, weights, inputs, costs):
+            super().__init__(schedule, rank, weights, inputs, costs=EmulatedCosts())
+            self.device_costs = costs
+
+        def _timed(self, kind, method, *args):
+            start = time.perf_counter()
+            result = method(*args)
+            DeviceClock.wait_until(start + self.device_costs.of(kind))
+            return result
+
+        def forward(self, action, input_tensor):
+            return self._timed("F", super().forward, action, input_tensor)
+
+        def backward(self, action, output_grad):
+            return self._timed(action.kind, super().backward, action, output_grad)
+
+        def weight(self, action):
+            return self._timed("W", super().weight, action)
+
+    return DeviceStageWork
+
+
+# ------------------------------------------------------------------ the fake Megatron model
+class _Sleep(torch.autograd.Function):
+    """y = x * w; sleeps t_f in forward and t_b in backward."""
+
+    @staticmethod
+    def forward(ctx, x, weight, t_f: float, t_b: float):
+        start = time.perf_counter()
+        ctx.save_for_backward(x, weight)
+        ctx.t_b = t_b
+        y = x * weight
+        DeviceClock.wait_until(start + t_f)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        start = time.perf_counter()
+        x, weight = ctx.saved_tensors
+        grads = grad * weight, (grad * x).sum().reshape(weight.shape), None, None
+        DeviceClock.wait_until(start + ctx.t_b)
+        return grads
+
+
+class SleepStage(torch.nn.Module):
+    """The least a Megatron schedule needs of a model chunk: ``config``, ``set_input_tensor``,
+    a forward that takes the received activation (or, on the first stage, the data)."""
+
+    def __init__(self, config, first: bool, t_f: float, t_b: float, vp_stage=None):
+        super().__init__()
+        from megatron.core.enums import ModelType
+
+        self.model_type = ModelType.encoder_or_decoder
+        self.config, self.first, self.t_f, self.t_b = config, first, t_f, t_b
+        self.vp_stage = vp_stage
+        self.weight = torch.nn.Parameter(torch.ones(1))
+        self.input_tensor = None
+
+    def set_input_tensor(self, tensors):
+        self.input_tensor = tensors[0] if isinstance(tensors, list) else tensors
+
+    def forward(self, data):
+        x = data if self.first else self.input_tensor
+        return _Sleep.apply(x, self.weight, self.t_f, self.t_b)
+
+
+def _loss(output):
+    loss = output.sum()
+    return loss, {"loss": loss.detach()}
+
+
+def fake_forward_step(data_iterator, model):
+    return model(next(data_iterator)), _loss
+
+
+def fake_config(p: int, v: int):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    vp = v if v > 1 else None
+    return TransformerConfig(
+        num_layers=p * v, hidden_size=64, num_attention_heads=4,
+        pipeline_model_parallel_size=p, virtual_pipeline_model_parallel_size=vp,
+        pipeline_dtype=torch.float32, params_dtype=torch.float32,
+        use_cpu_initialization=True, overlap_p2p_comm=vp is not None,
+        batch_p2p_comm=vp is None)
+
+
+def fake_chunks(rank: int, p: int, v: int, t: float):
+    config = fake_config(p, v)
+    return [SleepStage(config, first=(c * p + rank == 0), t_f=t / v, t_b=2 * t / v,
+                       vp_stage=c if v > 1 else None) for c in range(v)]
+
+
+# ------------------------------------------------------------------ one step of each kind
+def plugin_step(schedule: Schedule, rank: int, transport, weights, inputs, costs):
+    from megatron_pp_ext.runtime.executor import Executor
+
+    work = device_work_class()(schedule, rank, weights, inputs, costs)
+    Executor(schedule, rank, transport, work, recv_shape=(ROWS, WIDTH), dtype=torch.float64,
+             device=torch.device("cpu"), timeout_s=120).run()
+
+
+def megatron_step(function, chunks, m: int, data):
+    iterators = [itertools.repeat(data) for _ in chunks]
+    function(forward_step_func=fake_forward_step,
+             data_iterator=iterators if len(chunks) > 1 else iterators[0],
+             model=chunks if len(chunks) > 1 else chunks[0],
+             num_microbatches=m, seq_length=SEQ, micro_batch_size=MBS)
+    for chunk in chunks:
+        chunk.weight.grad = None
+
+
+def round_trip(transport, rank: int, repeats: int = 60) -> list[tuple[float, float]]:
+    """Rank 0 <-> 1 ping-pong of one activation through the executor's transport call, fused
+    as the executor fuses them (a send goes out with the next receive). Rank 0 returns
+    (round trip, time its fused send+receive call took to post) per repeat."""
+    from megatron_pp_ext.runtime.transport import RecvRequest
+
+    tensor = torch.zeros(ROWS, WIDTH, dtype=torch.float64)
+    request = lambda peer: RecvRequest(peer, (ROWS, WIDTH), torch.float64, torch.device("cpu"))
+    samples = []
+    total = repeats + 2
+    if rank == 1:
+        _, recv = transport.exchange(None, request(0), False)
+    for i in range(total):
+        if rank == 0:
+            start = time.perf_counter()
+            send, recv = transport.exchange((tensor, 1), request(1), False)
+            posted = time.perf_counter()
+            recv.wait(30)
+            send.wait(30, transport.poll)
+            if i >= 2:
+                samples.append((time.perf_counter() - start, posted - start))
+        elif rank == 1:
+            got = recv.wait(30)
+            send, recv = transport.exchange((got, 0), request(0) if i + 1 < total else None,
+                                            False)
+            send.wait(30, transport.poll)
+    return samples
+
+
+def tree(rank: int, world: int, setup: Setup) -> dict:
+    """Spawn target: everything of bench (a) for one pipeline size, in one process tree."""
+    import torch.distributed as dist
+
+    from megatron_pp_ext.emulated import microbatch_inputs, stage_weights
+    from megatron_pp_ext.runtime.transport import TorchDistTransport
+
+    p, t = world, setup.t
+    reniced = raise_priority(setup.niceness) if setup.niceness else False
+    transport = TorchDistTransport(None)
+    out = {"rank": rank, "reniced": reniced, "rtt": round_trip(transport, rank, 40),
+           "steps": {}, "b2b": {}}
+    dist.barrier()
+
+    runners = {}  # label -> (callable running one step of this m)
+    megatron = {}
+    if setup.megatron:
+        from megatron.core.pipeline_parallel import schedules as mcore
+
+        from megatron_pp_ext.demo.launch import init_megatron
+        from megatron_pp_ext.integration.forward_backward import ScheduleFunction
+
+        init_megatron(p, 2)
+        if setup.niceness:
+            raise_priority(setup.niceness)  # the new groups' gloo threads too
+        megatron = {
+            "megatron-1f1b": (mcore.forward_backward_pipelining_without_interleaving,
+                              fake_chunks(rank, p, 1, t)),
+            "megatron-interleaved": (mcore.forward_backward_pipelining_with_interleaving,
+                                     fake_chunks(rank, p, 2, t)),
+            "plugin-1f1b": (ScheduleFunction("1f1b"), fake_chunks(rank, p, 1, t)),
+        }
+    data = torch.ones(SEQ, MBS, 64)
+
+    for m in setup.ms:
+        runners.clear()
+        for label, name, v in PLUGIN:
+            schedule = build_schedule(name, p, m, v)  # validated once, outside the timing
+            weights = stage_weights(schedule.num_stages, WIDTH)
+            inputs = microbatch_inputs(m, ROWS, WIDTH)
+            costs = costs_for(t, v)
+            runners[label] = (lambda s=schedule, w=weights, i=inputs, c=costs:
+                              plugin_step(s, rank, transport, w, i, c))
+        for label, key, v, _ in (MEGATRON if setup.megatron else []):
+            function, chunks = megatron[key]
+            runners[label] = lambda f=function, c=chunks: megatron_step(f, c, m, data)
+
+        labels = [label for label in runners if not setup.only or label in setup.only]
+        if m == setup.ms[0]:
+            for label in labels:  # one untimed warm-up step each (imports, caches)
+                runners[label]()
+                dist.barrier()
+        steps = {label: [] for label in labels}
+        for rep in range(setup.reps):
+            dist.barrier()
+            out["rtt"] += round_trip(transport, rank, 20)  # sampled under the same load
+            shift = rep % len(labels)
+            for label in labels[shift:] + labels[:shift]:
+                dist.barrier()
+                start = time.perf_counter()
+                runners[label]()
+                steps[label].append((start, time.perf_counter()))
+        for label in labels:
+            out["steps"][(m, label)] = steps[label]
+
+        if m in setup.back_to_back_ms:
+            b2b_labels = [x for x in BACK_TO_BACK if x in labels]
+            rounds = {label: [] for label in b2b_labels}
+            for rep in range(setup.b2b_reps):
+                shift = rep % len(b2b_labels)
+                for label in b2b_labels[shift:] + b2b_labels[:shift]:
+                    dist.barrier()
+                    start = time.perf_counter()
+                    ends = []
+                    for _ in range(setup.k_steps):
+                        runners[label]()
+                        ends.append(time.perf_counter())
+                    rounds[label].append((start, ends))
+            for label in b2b_labels:
+                out["b2b"][(m, label)] = rounds[label]
+    dist.barrier()
+    return out
+
+
+# ------------------------------------------------------------------ predictions and summary
+def concatenated(schedule: Schedule, k: int) -> Schedule:
+    """``k`` steps of ``schedule`` as one schedule: step j runs microbatches j*m .. j*m+m-1."""
+    m = schedule.num_microbatches
+    actions = [[Action(a.stage, a.kind, a.microbatch + j * m) for j in range(k) for a in row]
+               for row in schedule.actions]  # every rank: all of step 0, then step 1, ...
+    return Schedule(f"{schedule.name} x{k}", m * k, schedule.stage_to_rank, actions,
+                    dict(schedule.options))
+
+
+def step_ends(timeline, m: int, k: int) -> list[float]:
+    ends = [0.0] * k
+    for event in timeline.compute_events():
+        step = Action.parse(event.label).microbatch // m
+        ends[step] = max(ends[step], event.end)
+    return ends
+
+
+def predict(name: str, v: int, p: int, m: int, t: float, t_comm: float, post: float = 0.0,
+            k: int = 0) -> dict:
+    """Simulated step (and, for k > 1, steady back-to-back period). ``post``: a per-action
+    overhead added to every F, I and B (each posts a send and/or a receive; W moves
+    nothing), for the prediction that also charges the executor's calls to the transport."""
+    costs = CostModel(t_f=t / v + post, t_i=t / v + post, t_w=t / v,
+                      t_b=2 * t / v + post, t_comm=t_comm)
+    schedule = build_schedule(name, p, m, v)
+    timeline = simulate(schedule, costs, validate=False)
+    result = {"makespan": timeline.makespan, "bubble": timeline.bubble_fraction}
+    if k > 1:
+        ends = step_ends(simulate(concatenated(schedule, k), costs), m, k)
+        result["period"] = (ends[-1] - ends[0]) / (k - 1)
+    return result
+
+
+def summarize(per_rank: list[dict], setup: Setup) -> dict:
+    """Median step times, ratios and predictions from one tree's per-rank timings."""
+    p, t = len(per_rank), setup.t
+    # the mean, not the median: a step sums many hops, so their expected time is what counts
+    trips = [trip for trip, _ in per_rank[0]["rtt"]] or [0.0]
+    posts = [post for _, post in per_rank[0]["rtt"]] or [0.0]
+    rtt, post = statistics.fmean(trips), statistics.fmean(posts)
+    t_comm = rtt / 2
+    specs = {label: (name, v) for label, name, v in PLUGIN}
+    specs.update({label: pred for label, _, _, pred in MEGATRON})
+    rows = []
+    for (m, label) in per_rank[0]["steps"]:
+        runs = zip(*(r["steps"][(m, label)] for r in per_rank))
+        times = [max(end for _, end in run) - min(start for start, _ in run) for run in runs]
+        name, v = specs[label]
+        rows.append({"p": p, "m": m, "schedule": label, "v": v,
+                     "times": times, "median": statistics.median(times),
+                     "predicted": predict(name, v, p, m, t, t_comm)["makespan"],
+                     "predicted_post": predict(name, v, p, m, t, t_comm, post)["makespan"]})
+    for row in rows:
+        base = next(r for r in rows if r["m"] == row["m"] and r["schedule"] == "1f1b")
+        # ratio per round (same round = measured side by side), then the median
+        row["vs_1f1b"] = statistics.median(a / b for a, b in zip(row["times"], base["times"]))
+        row["vs_predicted"] = row["median"] / row["predicted"]
+        row["vs_predicted_post"] = row["median"] / row["predicted_post"]
+        row["zero_bubble_limit"] = row["m"] * 3 * t
+    b2b = []
+    k = setup.k_steps
+    for (m, label), rounds in per_rank[0]["b2b"].items():
+        periods = []
+        for j in range(len(rounds)):
+            ends = [max(r["b2b"][(m, label)][j][1][i] for r in per_rank) for i in range(k)]
+            periods.append((ends[-1] - ends[0]) / (k - 1))
+        name, v = specs[label]
+        pred = predict(name, v, p, m, t, t_comm, k=k)
+        pred_post = predict(name, v, p, m, t, t_comm, post, k=k)
+        b2b.append({"p": p, "m": m, "schedule": label, "v": v, "periods": periods,
+                    "period": statistics.median(periods), "predicted": pred["period"],
+                    "predicted_post": pred_post["period"],
+                    "single_step_predicted": pred["makespan"]})
+    for row in b2b:
+        base = next(r for r in b2b if r["m"] == row["m"] and r["schedule"] == "1f1b")
+        row["vs_1f1b"] = statistics.median(a / b for a, b in zip(row["periods"],
+                                                                  base["periods"]))
+        row["vs_predicted"] = row["period"] / row["predicted"]
+        row["vs_predicted_post"] = row["period"] / row["predicted_post"]
+    return {"p": p, "t": t, "rtt": rtt, "rtt_median": statistics.median(trips), "post": post,
+            "t_comm": t_comm, "reniced": all(r["reniced"] for r in per_rank), "rows": rows,
+            "back_to_back": b2b}
+
+
+def run(p: int, ms, t: float = 0.020, reps: int = 5, back_to_back_ms=(), k_steps: int = 4,
+        b2b_reps: int = 3, megatron: bool = True, niceness: int = -20, only=(),
+        timeout_s: float = 900) -> dict:
+    from megatron_pp_ext.demo.launch import spawn
+
+    setup = Setup(p=p, ms=tuple(ms), t=t, reps=reps, k_steps=k_steps, b2b_reps=b2b_reps,
+                  back_to_back_ms=tuple(back_to_back_ms), megatron=megatron, niceness=niceness,
+                  only=tuple(only))
+    per_rank = spawn(p, tree, setup, timeout_s=timeout_s)
+    return summarize(per_rank, setup)
