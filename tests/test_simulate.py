@@ -174,3 +174,18 @@ def test_simulation_is_linear():
     timeline = simulate(schedule, validate=False)
     timeline.bubble_fraction
     assert time.perf_counter() - start < 3.0  # ~0.2 s here; quadratic would take minutes
+
+
+def test_window_bubble_shows_what_zb_h2_adds_over_zb_h1():
+    """Equal costs, p=4, m=8: one step of zb-h1 and zb-h2 lasts as long (3m + p - 1), but
+    zb-h2 leaves no gap inside any rank's own window (its parallelogram)."""
+    from megatron_pp_ext.schedules import build_schedule
+
+    costs = CostModel(t_f=1, t_i=1, t_w=1)
+    h1 = simulate(build_schedule("zb-h1", 4, 8), costs)
+    h2 = simulate(build_schedule("zb-h2", 4, 8), costs)
+    one_f_one_b = simulate(build_schedule("1f1b", 4, 8), costs)
+    assert h1.makespan == h2.makespan == 27 and one_f_one_b.makespan == 33
+    assert h2.window_bubble_fraction == 0.0
+    assert h1.window_bubble_fraction == pytest.approx(6 / 102)
+    assert one_f_one_b.window_bubble_fraction == pytest.approx(18 / 114)

@@ -116,6 +116,7 @@ def summary(schedule: Schedule, timeline) -> dict:
         "chunks": schedule.chunks,
         "makespan": timeline.makespan,
         "bubble_fraction": timeline.bubble_fraction,
+        "window_bubble_fraction": timeline.window_bubble_fraction,
         "peak_activations": list(timeline.peak_activations),
         "actions": schedule.text(),
         "stage_to_rank": list(schedule.stage_to_rank),
