@@ -190,6 +190,10 @@ class Executor:
         self.plans = comm_plan(schedule, rank)
         # Activations are held until a B, or a W, frees them; a forward-only list holds none.
         self.frees_activations = any(a.kind != FORWARD for a in self.actions)
+        # Receives posted one action ahead where that cannot block a send (gloo, in memory:
+        # not NCCL, whose same-peer operations queue behind each other) and where no one
+        # times the calls (Megatron's timers time each call where Megatron makes it).
+        self.prefetch = getattr(transport, "prefetch_receives", False) and timers is None
         # DualPipeV's F&B pairs run in one call when the work (the model) offers one.
         self.overlap = bool(schedule.options.get("overlapped_pairs")) and callable(
             getattr(work, "overlapped_forward_backward", None))
@@ -299,6 +303,12 @@ class Executor:
         handle = self._post(send, plan.send, to_post, self._inbox, self._calls)
         if handle is not None:
             self._unsent.append((handle, produced, plan.send))
+        if to_post is None and next_recv is not None and self.prefetch:
+            # Post the next receive now: a gloo send completes only once its receive is
+            # posted, so the peer is not held up while this rank finishes its bookkeeping.
+            early = self._inbox.to_post(next_recv)
+            if early is not None:
+                self._post(None, None, early, self._inbox, self._calls)
         self._unsent = self._reap(self._unsent)
 
     def _can_overlap(self, i: int) -> bool:
