@@ -10,6 +10,10 @@ import torch
 import torch.distributed as dist
 
 
+def cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
 def backend_of(group=None) -> str:
     if not (dist.is_available() and dist.is_initialized()):
         return "none"

@@ -25,6 +25,11 @@ undone by :func:`remove_cpu_shims` (or on leaving :func:`cpu_shims`). One shim p
   functions hard-code ``torch.zeros([], dtype=torch.int, device="cuda")`` for
   ``total_num_tokens``. The proxy maps ``device="cuda"`` to the CPU for tensor factories, for
   that module only; every other attribute is the real ``torch``.
+* the same proxy for Megatron's optimizer (``megatron.core.optimizer.optimizer``: the FP32
+  optimizer's loss scale), ``clip_grads`` (the grad-norm accumulator and overflow buffer) and
+  ``megatron.core.utils`` (``local_multi_tensor_l2_norm``'s result), which also allocate with
+  ``device='cuda'``. Gradient clipping itself cannot run on the CPU
+  (``clip_grad_by_total_norm_fp32`` asserts CUDA gradients): CPU runs use ``clip_grad=0``.
 """
 
 from __future__ import annotations
@@ -45,7 +50,9 @@ _ORIGINALS: list[tuple[Any, str, Any]] = []
 
 def needs_cpu_shims() -> bool:
     """True when there is no usable GPU, i.e. when the shims would be applied."""
-    return not torch.cuda.is_available()
+    from megatron_pp_ext.device import cuda_available
+
+    return not cuda_available()
 
 
 def shims_active() -> bool:
@@ -170,6 +177,9 @@ class _CpuTorchProxy(types.ModuleType):
 
 def _shim_table() -> list[tuple[Any, str, Any]]:
     """(owner, attribute, replacement): one shim per line; the reasons are in the module doc."""
+    from megatron.core import utils as megatron_utils
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.optimizer import optimizer as megatron_optimizer
     from megatron.core.pipeline_parallel import schedules
     from megatron.core.tensor_parallel import random as mp_random
 
@@ -186,6 +196,11 @@ def _shim_table() -> list[tuple[Any, str, Any]]:
         (mp_random.CudaRNGStatesTracker, "fork", _cpu_tracker_fork),
         # the schedules hard-code torch.zeros([], dtype=torch.int, device="cuda"):
         (schedules, "torch", _CpuTorchProxy()),
+        # Megatron's optimizer: the FP32 optimizer's loss scale, the grad norm's buffers and
+        # local_multi_tensor_l2_norm's result are made with device="cuda":
+        (megatron_optimizer, "torch", _CpuTorchProxy()),
+        (clip_grads, "torch", _CpuTorchProxy()),
+        (megatron_utils, "torch", _CpuTorchProxy()),
     ]
 
 

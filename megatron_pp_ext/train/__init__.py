@@ -8,8 +8,6 @@ One job per module:
 * ``launcher``  -- who starts the ranks: this command (P local gloo processes), torchrun, or srun.
 * ``loop``      -- one rank's training: Megatron's parallel state, model, DDP, optimizer,
   ``install()`` and ``get_forward_backward_func()`` every step.
-* ``cpu_optimizer`` -- lets Megatron's optimizer run on the CPU (three ``device='cuda'``
-  allocations; no gradient clipping there).
 * ``measure``   -- a step's peaks per rank, measured and predicted timelines, per-rank costs.
 * ``progress``  -- rank 0's progress bar and per-step lines.
 * ``report``    -- summary.json, timeline.html and trace.json.

@@ -27,7 +27,6 @@ import torch.distributed as dist
 from .. import device as device_helper
 from ..integration.plan import plan_text
 from ..schedules import build_schedule
-from .cpu_optimizer import apply_cpu_optimizer_shims
 from .data import counting_batches
 from .measure import StepMeasurement, costs_per_rank, gather_step, unit_cost_bubble
 from .progress import Progress, format_step
@@ -165,6 +164,7 @@ def _build(settings: TrainSettings, device: torch.device, backend: str):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     from ..demo import tiny_gpt
+    from ..demo.cpu_shims import shims_active
     from ..demo.launch import init_megatron
 
     cfg = tiny_gpt.TinyGPTConfig(
@@ -183,8 +183,8 @@ def _build(settings: TrainSettings, device: torch.device, backend: str):
         grad_reduce_in_fp32=False, overlap_grad_reduce=False, use_distributed_optimizer=False)
     model = tiny_gpt.wrap_with_ddp(chunks, config, ddp_config)
     tiny_gpt.configure_hooks(config, model)
-    # On the CPU: no clipping (Megatron's clip asserts CUDA grads; see cpu_optimizer).
-    clip_grad = 0.0 if apply_cpu_optimizer_shims() else 1.0
+    # On the CPU: no clipping (Megatron's clip asserts CUDA grads; see demo/cpu_shims.py).
+    clip_grad = 0.0 if shims_active() else 1.0
     optimizer = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=settings.lr, weight_decay=0.0, clip_grad=clip_grad,
                         bf16=False, fp16=False, params_dtype=torch.float32,
