@@ -25,7 +25,13 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # `bench.*` for the spawned ranks (forkserver keeps sys.path)
 
-from bench import bench_analysis, emulated_device, executor_overhead, real_gpt  # noqa: E402
+from bench import (  # noqa: E402
+    bench_analysis,
+    emulated_device,
+    executor_overhead,
+    real_gpt,
+    selector_check,
+)
 
 T = 0.020  # t_F = t_I = t_W per rank, seconds
 TARGETS = {"zb-h1": 0.85, "zb-h2": 0.80, "zb-v": 0.80}
@@ -41,6 +47,8 @@ def parse_args(argv=None):
     parser.add_argument("--niceness", type=int, default=-20,
                         help="renice the emulated-device ranks (sleep-bound; 0: leave alone)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    parser.add_argument("--render", action="store_true",
+                        help="rewrite results.md from results.json, measuring nothing")
     return parser.parse_args(argv)
 
 
@@ -61,6 +69,11 @@ def git_commit() -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.render:
+        results = json.loads((args.out / "results.json").read_text())
+        (args.out / "results.md").write_text(render_markdown(results))
+        print(f"wrote {args.out}/results.md from results.json")
+        return 0
     quick = args.quick
     reps = args.reps or 3
     started = time.perf_counter()
@@ -131,6 +144,8 @@ def render_markdown(results: dict) -> str:
     checks = []
     if "emulated" in sections:
         out += emulated_markdown(sections["emulated"], results, checks)
+        out += selector_check.markdown(selector_check.check(sections["emulated"], results["t"]),
+                                       checks)
     if "real_gpt" in sections:
         out += real_gpt_markdown(sections["real_gpt"], checks)
     if "overhead" in sections:

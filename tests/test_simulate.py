@@ -118,7 +118,7 @@ def test_cost_model_rejects_bad_values():
 def test_default_costs():
     costs = CostModel().per_stage(build_schedule("1f1b", 3, 2))
     assert costs == {"t_f": [1.0] * 3, "t_i": [1.0] * 3, "t_w": [1.0] * 3, "t_comm": [0.0] * 3,
-                     "t_b": [2.0] * 3}
+                     "t_overhead": [0.0] * 3, "t_b": [2.0] * 3}
 
 
 def test_one_compute_event_per_action():
@@ -189,3 +189,18 @@ def test_window_bubble_shows_what_zb_h2_adds_over_zb_h1():
     assert h2.window_bubble_fraction == 0.0
     assert h1.window_bubble_fraction == pytest.approx(6 / 102)
     assert one_f_one_b.window_bubble_fraction == pytest.approx(18 / 114)
+
+
+def test_per_action_overhead_charges_schedules_with_more_actions_more():
+    """t_overhead is added to every F, B and I (not W): 1F1B at p=4, m=8 has 22 of them on
+    its critical path."""
+    from megatron_pp_ext.schedules import build_schedule
+
+    base = CostModel(t_f=1, t_i=1, t_w=1)
+    with_overhead = CostModel(t_f=1, t_i=1, t_w=1, t_overhead=0.1)
+    one_f_one_b = build_schedule("1f1b", 4, 8)
+    assert simulate(one_f_one_b, base).makespan == 33
+    assert simulate(one_f_one_b, with_overhead).makespan == pytest.approx(33 + 0.1 * 22)
+    zb_h1 = build_schedule("zb-h1", 4, 8)
+    # W actions carry no overhead: only the F and I actions on the critical path grow
+    assert simulate(zb_h1, with_overhead).makespan < 27 + 0.1 * 27

@@ -87,7 +87,8 @@ class Selection:
         return {
             "ranks": self.num_ranks,
             "microbatches": self.num_microbatches,
-            "costs": {k: getattr(self.costs, k) for k in ("t_f", "t_i", "t_w", "t_b", "t_comm")},
+            "costs": {k: getattr(self.costs, k)
+                      for k in ("t_f", "t_i", "t_w", "t_b", "t_comm", "t_overhead")},
             "activation_bytes": self.activation_bytes,
             "memory_budget_bytes": self.memory_budget_bytes,
             "ranked": [
@@ -105,7 +106,8 @@ def format_bytes(value: float) -> str:
 
 
 def chunk_costs(costs: CostModel, chunks: int) -> CostModel:
-    """Per-rank costs -> the costs of one of ``chunks`` equal chunks (t_comm unchanged)."""
+    """Per-rank costs -> the costs of one of ``chunks`` equal chunks (t_comm and the
+    per-action t_overhead unchanged: a chunk's action posts its messages like any other)."""
     def scale(value):
         if value is None:
             return None
@@ -114,7 +116,7 @@ def chunk_costs(costs: CostModel, chunks: int) -> CostModel:
         return [float(x) / chunks for x in value]
 
     return CostModel(t_f=scale(costs.t_f), t_i=scale(costs.t_i), t_w=scale(costs.t_w),
-                     t_b=scale(costs.t_b), t_comm=costs.t_comm)
+                     t_b=scale(costs.t_b), t_comm=costs.t_comm, t_overhead=costs.t_overhead)
 
 
 def candidate_list(candidates: Iterable | None, chunks_options: Sequence[int]) -> list[tuple[str, int]]:
@@ -167,7 +169,7 @@ def select_schedules(num_ranks: int, num_microbatches: int, costs: CostModel,
     _check_inputs(num_ranks, num_microbatches, activation_bytes, memory_budget_bytes,
                   chunks_options)
     costs = costs or CostModel()
-    for key in ("t_f", "t_i", "t_w", "t_b", "t_comm"):
+    for key in ("t_f", "t_i", "t_w", "t_b", "t_comm", "t_overhead"):
         value = getattr(costs, key)
         if value is None or isinstance(value, (int, float)):
             if value is not None and value < 0:

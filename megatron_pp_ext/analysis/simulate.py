@@ -26,6 +26,9 @@ class CostModel:
     Each cost is one number for every stage, a list with one number per stage, or a list with
     one number per rank (every stage of a rank costs the same). ``t_b`` (a full backward)
     defaults to ``t_i + t_w``. ``t_comm`` is the time a message from a stage takes to arrive.
+    ``t_overhead`` is what the runtime adds to every F, B and I on the rank's own time
+    (posting its sends and receives, bookkeeping; W moves nothing): it makes schedules with
+    more, shorter actions (v = 2) pay per action, as they do on a real machine.
     """
 
     t_f: Cost = 1.0
@@ -33,12 +36,13 @@ class CostModel:
     t_w: Cost = 1.0
     t_b: Cost | None = None
     t_comm: Cost = 0.0
+    t_overhead: Cost = 0.0
 
     def per_stage(self, schedule: Schedule) -> dict[str, list[float]]:
         """Every cost as one float per stage of ``schedule``."""
         costs = {
             name: _per_stage(name, getattr(self, name), schedule)
-            for name in ("t_f", "t_i", "t_w", "t_comm")
+            for name in ("t_f", "t_i", "t_w", "t_comm", "t_overhead")
         }
         if self.t_b is None:
             costs["t_b"] = [i + w for i, w in zip(costs["t_i"], costs["t_w"])]
@@ -77,9 +81,12 @@ def simulate(schedule: Schedule, costs: CostModel | None = None, validate: bool 
     if validate:
         validate_schedule(schedule, channels=channels)
     cost = (costs or CostModel()).per_stage(schedule)
+    over = cost["t_overhead"]
     duration = {
-        FORWARD: cost["t_f"], BACKWARD: cost["t_b"],
-        BACKWARD_INPUT: cost["t_i"], BACKWARD_WEIGHT: cost["t_w"],
+        FORWARD: [c + o for c, o in zip(cost["t_f"], over)],
+        BACKWARD: [c + o for c, o in zip(cost["t_b"], over)],
+        BACKWARD_INPUT: [c + o for c, o in zip(cost["t_i"], over)],
+        BACKWARD_WEIGHT: cost["t_w"],
     }
     t_comm, owner = cost["t_comm"], schedule.stage_to_rank
     free_at = [0.0] * schedule.num_ranks

@@ -46,6 +46,9 @@ def register(subparsers) -> None:
                         help="full backward (default t_i + t_w)")
     parser.add_argument("--t-comm", type=cost_value, default=0.0,
                         help="time a message takes to arrive (default 0)")
+    parser.add_argument("--t-overhead", type=cost_value, default=0.0,
+                        help="runtime cost added to every F, B and I: posting its messages "
+                        "(default 0)")
     parser.add_argument("--activation-mb", type=float, required=True, metavar="X",
                         help="MiB one microbatch's activations take on one rank (v=1)")
     parser.add_argument("--memory-budget-mb", type=float, required=True, metavar="Y",
@@ -63,7 +66,7 @@ def run(args) -> int:
     if args.schedules:
         candidates = [name.strip() for name in args.schedules.split(",") if name.strip()]
     costs = CostModel(t_f=args.t_f, t_i=args.t_i, t_w=args.t_w, t_b=args.t_b,
-                      t_comm=args.t_comm)
+                      t_comm=args.t_comm, t_overhead=args.t_overhead)
     selection = select_schedules(
         args.ranks, args.microbatches, costs,
         activation_bytes=args.activation_mb * MiB,

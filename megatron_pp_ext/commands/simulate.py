@@ -49,6 +49,9 @@ def register(subparsers) -> None:
     parser.add_argument("--t-w", type=cost_value, default=1.0, help="weight-gradient half (1)")
     parser.add_argument("--t-comm", type=cost_value, default=0.0,
                         help="time a message takes to arrive (default 0)")
+    parser.add_argument("--t-overhead", type=cost_value, default=0.0,
+                        help="runtime cost added to every F, B and I: posting its messages "
+                        "(default 0)")
     parser.add_argument("--format", choices=FORMATS, default="ascii")
     parser.add_argument("--out", metavar="FILE", help="write there instead of to stdout")
     parser.add_argument("--width", type=int, help="ascii: scale the grid to this many columns")
@@ -91,7 +94,7 @@ def make_schedule(args) -> Schedule:
 def run(args) -> int:
     schedule = make_schedule(args)
     costs = CostModel(t_f=args.t_f, t_i=args.t_i, t_w=args.t_w, t_b=args.t_b,
-                      t_comm=args.t_comm)
+                      t_comm=args.t_comm, t_overhead=args.t_overhead)
     timeline = simulate(schedule, costs, channels=args.channels)  # validates first
     if args.format == "ascii":
         text = render_ascii(timeline, width=args.width)
