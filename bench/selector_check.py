@@ -21,15 +21,20 @@ LABELS = {("gpipe", 1): "gpipe", ("1f1b", 1): "1f1b", ("interleaved", 2): "inter
 NOISE = 1.02
 
 
+def calibrated_overhead(rows: list, p: int, m: int) -> float:
+    """A per-action runtime cost, from 1F1B alone: (measured - predicted) over the
+    2(m + p - 1) F/B actions on its critical path."""
+    one_f_one_b = next(r for r in rows if r["m"] == m and r["schedule"] == "1f1b")
+    return max(0.0, (one_f_one_b["median"] - one_f_one_b["predicted"]) / (2 * (m + p - 1)))
+
+
 def check(trees: list, t: float) -> list[dict]:
     out = []
     for tree in trees:
         p = tree["p"]
         for m in sorted({r["m"] for r in tree["rows"]}):
             measured = {r["schedule"]: r["median"] for r in tree["rows"] if r["m"] == m}
-            one_f_one_b = next(r for r in tree["rows"] if r["m"] == m and r["schedule"] == "1f1b")
-            overhead = max(0.0, (one_f_one_b["median"] - one_f_one_b["predicted"])
-                           / (2 * (m + p - 1)))
+            overhead = calibrated_overhead(tree["rows"], p, m)
             costs = CostModel(t_f=t, t_i=t, t_w=t, t_comm=tree["t_comm"], t_overhead=overhead)
             for budget_name, budget in (("none", float("inf")), ("1F1B's peak", float(p))):
                 selection = select_schedules(p, m, costs, activation_bytes=1.0,
