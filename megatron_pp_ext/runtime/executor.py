@@ -199,8 +199,8 @@ class Executor:
             getattr(work, "overlapped_forward_backward", None))
 
     def run(self) -> StepResult:
-        self._history = history = collections.deque(maxlen=32)  # for errors and send waits
-        self._events = events = []
+        self._history = collections.deque(maxlen=32)  # the last actions, for errors
+        self._events: list[Event] = []
         self._calls = collections.Counter()
         self._local: dict[tuple, object] = {}  # tensors handed between stages of this rank
         self._unsent: list[tuple] = []  # (send handle, output, message) until the send is done
@@ -237,28 +237,27 @@ class Executor:
             i += 1
 
         for handle, output, message in self._unsent:
-            self._finish_send(handle, message, history)
+            self._finish_send(handle, message)
             self._release(output, message)
         if self._local or self._inbox.stash:
             raise RuntimeError(
                 f"rank {self.rank}: tensors were left unconsumed at the end of the step: "
                 f"{sorted(self._local) + [str(m) for m in self._inbox.stash]} (the schedule "
                 "lacks their consumers)")
-        return StepResult(list(self.actions), self._peak, self._calls, events)
+        return StepResult(list(self.actions), self._peak, self._calls, self._events)
 
     def _input_of(self, i: int, action: Action):
         """Receive (or take over locally) what ``action`` needs."""
         plan = self.plans[i]
         if plan.recv is not None:
-            incoming = self._take(self._inbox, plan.recv, action, self._calls, self._history,
-                                  self._events)
+            incoming = self._take(plan.recv, action)
             if plan.recv.carries == ACTIVATION and incoming.is_floating_point():
                 incoming.requires_grad_(True)
         else:
             incoming = self._local.pop(self._local_key(action), None)
         if action.kind != FORWARD:
             # Megatron's backward wants the sent output already deallocated.
-            self._unsent = self._settle_output_of(action, self._unsent, self._history)
+            self._settle_output_of(action)
         return incoming
 
     def _compute(self, action: Action, incoming):
@@ -289,7 +288,7 @@ class Executor:
         """Hand the output over locally, or send it in one call with the next receive."""
         plan = self.plans[i]
         if plan.send is None and produced is not None:
-            self._hand_over(action, produced, self._local)
+            self._hand_over(action, produced)
         send = (produced, plan.send.peer) if plan.send is not None else None
         if send is not None:
             self._check_outgoing(produced, plan.send, action)
@@ -300,7 +299,7 @@ class Executor:
         to_post = None
         if send is not None and next_recv is not None and next_recv.carries != plan.send.carries:
             to_post = self._inbox.to_post(next_recv)
-        handle = self._post(send, plan.send, to_post, self._inbox, self._calls)
+        handle = self._post(send, plan.send, to_post)
         if handle is not None:
             self._unsent.append((handle, produced, plan.send))
         if to_post is None and next_recv is not None and self.prefetch:
@@ -308,8 +307,8 @@ class Executor:
             # posted, so the peer is not held up while this rank finishes its bookkeeping.
             early = self._inbox.to_post(next_recv)
             if early is not None:
-                self._post(None, None, early, self._inbox, self._calls)
-        self._unsent = self._reap(self._unsent)
+                self._post(None, None, early)
+        self._reap()
 
     def _can_overlap(self, i: int) -> bool:
         if not self.overlap or i + 1 >= len(self.actions):
@@ -329,15 +328,15 @@ class Executor:
         kind = ACTIVATION if action.kind == FORWARD else GRADIENT
         return (kind, action.stage, action.microbatch)
 
-    def _hand_over(self, action: Action, produced, local: dict) -> None:
+    def _hand_over(self, action: Action, produced) -> None:
         """A tensor for a stage on this same rank: detach it so each stage has its own graph."""
         last = self.schedule.num_stages - 1
         if action.kind == FORWARD and action.stage < last:
-            local[(ACTIVATION, action.stage + 1, action.microbatch)] = (
+            self._local[(ACTIVATION, action.stage + 1, action.microbatch)] = (
                 produced.detach().requires_grad_(produced.is_floating_point()))
             self.work.deallocate(produced)
         elif action.kind != FORWARD and action.stage > 0:
-            local[(GRADIENT, action.stage - 1, action.microbatch)] = produced
+            self._local[(GRADIENT, action.stage - 1, action.microbatch)] = produced
 
     def _check_outgoing(self, tensor, message: Message, action: Action) -> None:
         if self.variable_shapes or self.recv_shape is None:
@@ -351,12 +350,12 @@ class Executor:
                 "config.variable_seq_lengths=True when microbatches differ in length"
             )
 
-    def _post(self, send, send_message: Message | None, recv: Message | None, inbox, calls):
+    def _post(self, send, send_message: Message | None, recv: Message | None):
         """One call for a send and/or a receive; returns the send's handle."""
         if send is None and recv is None:
             return None
         name = call_name(send_message if send is not None else None, recv)
-        calls[name] += 1
+        self._calls[name] += 1
         if self.timers is not None:
             self.timers(MEGATRON_TIMERS[name], log_level=2).start()
         request = None
@@ -370,25 +369,26 @@ class Executor:
             self._raise_if_lost(exc, peer, f"posting {name} (rank {peer})", 0.0)
             raise
         if recv is not None:
-            inbox.posted(recv, recv_handle)
+            self._inbox.posted(recv, recv_handle)
             if self.timers is not None:
                 self.open_timers[recv] = MEGATRON_TIMERS[name]
         elif self.timers is not None:
             self.timers(MEGATRON_TIMERS[name]).stop()
         return send_handle
 
-    def _take(self, inbox, needed: Message, action: Action, calls, history, events):
+    def _take(self, needed: Message, action: Action):
         """The tensor ``action`` needs; earlier messages from the same peer land in the stash."""
+        inbox = self._inbox
         while needed not in inbox.stash:
             if needed.peer not in inbox.in_flight:
-                self._post(None, None, inbox.next_from(needed.peer), inbox, calls)
+                self._post(None, None, inbox.next_from(needed.peer))
             message, handle = inbox.in_flight.pop(needed.peer)
-            inbox.stash[message] = self._wait(handle, message, action, history, events)
+            inbox.stash[message] = self._wait(handle, message, action)
             if message in self.open_timers:
                 self.timers(self.open_timers.pop(message)).stop()
         return inbox.stash.pop(needed)
 
-    def _wait(self, handle, message: Message, action: Action, history, events) -> torch.Tensor:
+    def _wait(self, handle, message: Message, action: Action) -> torch.Tensor:
         start = self.clock()
         try:
             tensor = handle.wait(self.timeout_s)
@@ -397,7 +397,7 @@ class Executor:
                 self.rank, message.peer,
                 f"{action} (microbatch {action.microbatch}) waiting for the {message.carries} "
                 f"tensor of microbatch {message.microbatch} from rank {message.peer}",
-                self.clock() - start, list(history),
+                self.clock() - start, list(self._history),
             ) from None
         except RuntimeError as exc:
             self._raise_if_lost(exc, message.peer, f"{action} (microbatch {action.microbatch}) "
@@ -412,31 +412,31 @@ class Executor:
                 "must agree on seq_length, micro_batch_size, hidden_size and "
                 "config.pipeline_dtype)") from None
         if self.trace:
-            events.append(Event(self.rank, f"wait {action}<-rank {message.peer}", start,
-                                self.clock(), COMM_WAIT))
+            self._events.append(Event(self.rank, f"wait {action}<-rank {message.peer}", start,
+                                      self.clock(), COMM_WAIT))
         return tensor
 
-    def _settle_output_of(self, action: Action, unsent: list, history) -> list:
+    def _settle_output_of(self, action: Action) -> None:
         still = []
-        for handle, output, message in unsent:
+        for handle, output, message in self._unsent:
             if (message.carries == ACTIVATION and message.microbatch == action.microbatch
                     and message.stage == action.stage + 1):
-                self._finish_send(handle, message, history)
+                self._finish_send(handle, message)
                 self.work.deallocate(output)
             else:
                 still.append((handle, output, message))
-        return still
+        self._unsent = still
 
-    def _reap(self, unsent: list) -> list:
+    def _reap(self) -> None:
         """Free outputs whose sends completed (Megatron's deallocate_output_tensor)."""
         still = []
-        for handle, output, message in unsent:
+        for handle, output, message in self._unsent:
             if handle.done():
                 handle.wait(self.timeout_s, self.transport.poll)
                 self._release(output, message)
             else:
                 still.append((handle, output, message))
-        return still
+        self._unsent = still
 
     def _release(self, output, message: Message) -> None:
         # Only sent activations are freed (Megatron's deallocate_output_tensor); a gradient
@@ -444,7 +444,7 @@ class Executor:
         if message.carries == ACTIVATION:
             self.work.deallocate(output)
 
-    def _finish_send(self, handle, message: Message, history) -> None:
+    def _finish_send(self, handle, message: Message) -> None:
         start = self.clock()
         pending = (f"the send of the {message.carries} tensor of microbatch "
                    f"{message.microbatch} for stage {message.stage} to rank {message.peer}")
@@ -452,7 +452,7 @@ class Executor:
             handle.wait(self.timeout_s, self.transport.poll)
         except TransportTimeout:
             raise PipelineTimeoutError(self.rank, message.peer, pending, self.timeout_s,
-                                       list(history)) from None
+                                       list(self._history)) from None
         except RuntimeError as exc:
             self._raise_if_lost(exc, message.peer, pending, self.clock() - start)
             raise
