@@ -27,24 +27,10 @@ def comm_device(group=None) -> torch.device:
     return torch.device("cpu")
 
 
-def device_of_module(module: torch.nn.Module) -> torch.device:
-    for param in module.parameters():
-        return param.device
-    return torch.device("cpu")
-
-
 def waits_block_host(group=None) -> bool:
     """gloo's Work.wait() blocks the host with a timeout; NCCL's only orders streams, so
     NCCL waits are polled with is_completed() to honour a host-side timeout."""
     return backend_of(group) != "nccl"
-
-
-def free_device_memory(device: torch.device) -> int | None:
-    """Free bytes on a GPU, or None on the CPU."""
-    if device.type != "cuda":
-        return None
-    free, _total = torch.cuda.mem_get_info(device)
-    return int(free)
 
 
 def launcher_backend() -> str:

@@ -17,8 +17,6 @@ from dataclasses import dataclass, field
 
 FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT = "F", "B", "I", "W"
 KINDS = (FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT)
-#: kinds that produce the input gradient of a stage (and so free nothing or everything)
-INPUT_GRAD_KINDS = (BACKWARD, BACKWARD_INPUT)
 
 _ACTION_RE = re.compile(r"^\s*(\d+)\s*([FBIW])\s*(\d+)\s*$")
 # PyTorch writes DualPipeV's overlapped pair as "(0F7;7B3)OVERLAP_F_B".

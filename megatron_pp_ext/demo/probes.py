@@ -12,7 +12,7 @@ from typing import Any, Optional
 import torch
 
 from megatron_pp_ext.demo import tiny_gpt
-from megatron_pp_ext.demo.reference import resolve_schedule
+from megatron_pp_ext.demo.reference import call_schedule
 from megatron_pp_ext.demo.tiny_gpt import TinyGPTConfig
 
 
@@ -181,16 +181,9 @@ def probe_step(
     step = _non_loss_step if collect_non_loss_data else tiny_gpt.forward_step_func
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        forward_data = resolve_schedule(schedule)(
-            forward_step_func=step,
-            data_iterator=iterators if len(chunks) > 1 else iterators[0],
-            model=chunks,
-            num_microbatches=num_microbatches,
-            seq_length=cfg.seq_length,
-            micro_batch_size=cfg.micro_batch_size,
-            forward_only=forward_only,
-            collect_non_loss_data=collect_non_loss_data,
-        )
+        forward_data = call_schedule(schedule, step, chunks, iterators, cfg, num_microbatches,
+                                     forward_only=forward_only,
+                                     collect_non_loss_data=collect_non_loss_data)
     params_with_grad = []
     for chunk in chunks:
         for name, param in chunk.named_parameters():

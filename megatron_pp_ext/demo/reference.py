@@ -29,6 +29,7 @@ from megatron_pp_ext.demo import tiny_gpt
 from megatron_pp_ext.demo.tiny_gpt import TinyGPTConfig
 
 __all__ = [
+    "call_schedule",
     "run_step",
     "run_steps",
     "resolve_schedule",
@@ -64,6 +65,21 @@ def resolve_schedule(schedule: Union[str, Callable]) -> Callable:
     raise ValueError(
         f"unknown schedule {schedule!r}: use one of {sorted(MEGATRON_SCHEDULES)}, 'megatron', "
         "'sequential', 'module:function' or a callable"
+    )
+
+
+def call_schedule(schedule, forward_step_func, chunks, iterators, cfg: TinyGPTConfig,
+                  num_microbatches: int, **kwargs):
+    """One forward-backward step of the tiny GPT's chunks under ``schedule`` (any form
+    :func:`resolve_schedule` takes), with Megatron's keyword arguments."""
+    return resolve_schedule(schedule)(
+        forward_step_func=forward_step_func,
+        data_iterator=iterators if len(chunks) > 1 else iterators[0],
+        model=chunks,
+        num_microbatches=num_microbatches,
+        seq_length=cfg.seq_length,
+        micro_batch_size=cfg.micro_batch_size,
+        **kwargs,
     )
 
 
@@ -136,17 +152,8 @@ def run_step(
     batches = tiny_gpt.mock_batches(cfg, num_microbatches, seed=data_seed)
     iterators = [iter(batches) for _ in chunks]
     step = tiny_gpt.forward_step_func_per_token if per_token_loss else tiny_gpt.forward_step_func
-    fn = resolve_schedule(schedule)
-    forward_data = fn(
-        forward_step_func=step,
-        data_iterator=iterators if len(chunks) > 1 else iterators[0],
-        model=chunks,
-        num_microbatches=num_microbatches,
-        seq_length=cfg.seq_length,
-        micro_batch_size=cfg.micro_batch_size,
-        forward_only=forward_only,
-        **(schedule_kwargs or {}),
-    )
+    forward_data = call_schedule(schedule, step, chunks, iterators, cfg, num_microbatches,
+                                 forward_only=forward_only, **(schedule_kwargs or {}))
 
     stages = [tiny_gpt.unwrap(c).pipeline_stage for c in chunks]
     holds_last = (tiny_gpt.num_stages(pp, vp) - 1) in stages

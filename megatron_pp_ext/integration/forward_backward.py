@@ -36,9 +36,9 @@ from ..runtime.transport import TorchDistTransport
 from ..schedules import build_schedule, get_spec
 from ..timeline import Timeline
 from . import agreement
+from .auto import AutoSchedule
 from .loss_relay import needs_relay, relay_losses
 from .megatron_stage import GradSync, MegatronStageWork
-from .auto import AutoSchedule
 from .options import AUTO, PipelineOptions
 
 
@@ -61,6 +61,13 @@ class RunState:
     planned: set = field(default_factory=set)
     #: schedule="auto": what was measured and chosen (reset when the options change)
     auto: AutoSchedule | None = None
+
+    def activate(self, options: PipelineOptions) -> None:
+        """Make ``options`` the active ones; a change starts afresh: the first-step timeout
+        applies again and ``auto`` measures again."""
+        if self.options != options:
+            self.steps_run, self.auto = 0, None
+        self.options = options
 
     def summary(self) -> str | None:
         """The last traced step, measured beside predicted (pipeline rank 0), else None."""
@@ -352,8 +359,7 @@ class ScheduleFunction:
         self.options = PipelineOptions.from_kwargs(schedule, **options)
 
     def __call__(self, **kwargs):
-        if STATE.options != self.options:
-            STATE.options, STATE.steps_run, STATE.auto = self.options, 0, None
+        STATE.activate(self.options)
         return forward_backward_pipelining(**kwargs)
 
     def __repr__(self) -> str:

@@ -27,10 +27,7 @@ def install(schedule: str | None = None, **options) -> PipelineOptions:
     step of Megatron-Core. Options: chunks, max_pending_backward,
     microbatch_group_size_per_vp_stage, p2p_timeout_s, first_step_timeout_s, trace."""
     active = PipelineOptions.from_kwargs(schedule, **options)
-    if STATE.options != active:
-        STATE.steps_run = 0  # a new schedule gets the first-step timeout again
-        STATE.auto = None  # and "auto" measures again
-    STATE.options = active
+    STATE.activate(active)
     if not _patched:
         _patch_megatron()
     return active

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import inspect
 import threading
 import warnings
@@ -31,6 +32,7 @@ from ..ir import Action
 _capture = threading.local()  # .queue: the list the running I appends its W tasks to
 _patch_lock = threading.Lock()
 _original_backward = None
+_SCANNED = "_megatron_pp_ext_te_wgrad_modules"  # set on a model chunk once it was scanned
 
 
 @dataclass
@@ -78,7 +80,8 @@ def _deferring_backward(ctx, grad_output):
     return (grad_input, None, grad_bias) + (None,) * (_num_forward_inputs() - 3)
 
 
-def _num_forward_inputs() -> int:
+@functools.lru_cache(maxsize=1)
+def _num_forward_inputs() -> int:  # read once: backward of every linear layer asks
     return len(inspect.signature(_linear_function().forward).parameters) - 1  # minus ctx
 
 
@@ -102,11 +105,16 @@ def _te_delayed_modules(model_chunk) -> list:
 class WeightGradSplit:
     """Per-rank queue of deferred weight gradients, keyed by (stage, microbatch)."""
 
-    def __init__(self, model_chunks, stage_of_chunk=None):
+    def __init__(self, model_chunks):
         _patch_linear_backward()
         self.pending: dict[tuple, list[WeightGradTask]] = collections.defaultdict(list)
-        self.te_modules = [_te_delayed_modules(chunk) for chunk in model_chunks]
-        self._warn_undeferred(model_chunks)
+        # A walk over every module: once per model chunk (remembered on it), not per step.
+        fresh = [chunk for chunk in model_chunks if not hasattr(chunk, _SCANNED)]
+        for chunk in fresh:
+            setattr(chunk, _SCANNED, _te_delayed_modules(chunk))
+        if fresh:
+            self._warn_undeferred(fresh)
+        self.te_modules = [getattr(chunk, _SCANNED) for chunk in model_chunks]
 
     @staticmethod
     def _warn_undeferred(model_chunks) -> None:
