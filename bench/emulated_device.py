@@ -74,7 +74,7 @@ class Setup:
 
 
 def costs_for(t: float, v: int):
-    from megatron_pp_ext.emulated import EmulatedCosts
+    from support.emulated import EmulatedCosts
 
     return EmulatedCosts(t_f=t / v, t_i=t / v, t_w=t / v)
 
@@ -117,7 +117,7 @@ def raise_priority(niceness: int = -20) -> bool:
 
 
 def device_work_class():
-    from megatron_pp_ext.emulated import EmulatedCosts, EmulatedStageWork
+    from support.emulated import EmulatedCosts, EmulatedStageWork
 
     class DeviceStageWork(EmulatedStageWork):
         """``EmulatedStageWork`` whose actions last their cost (``DeviceClock``)."""
@@ -267,7 +267,7 @@ def tree(rank: int, world: int, setup: Setup) -> dict:
     """Spawn target: everything of bench (a) for one pipeline size, in one process tree."""
     import torch.distributed as dist
 
-    from megatron_pp_ext.emulated import microbatch_inputs, stage_weights
+    from support.emulated import microbatch_inputs, stage_weights
     from megatron_pp_ext.runtime.transport import TorchDistTransport
 
     p, t = world, setup.t
@@ -282,7 +282,7 @@ def tree(rank: int, world: int, setup: Setup) -> dict:
     if setup.megatron:
         from megatron.core.pipeline_parallel import schedules as mcore
 
-        from megatron_pp_ext.demo.launch import init_megatron
+        from megatron_pp_ext.train.processes import init_megatron
         from megatron_pp_ext.integration.forward_backward import ScheduleFunction
 
         init_megatron(p, 2)
@@ -435,7 +435,7 @@ def summarize(per_rank: list[dict], setup: Setup) -> dict:
 def run(p: int, ms, t: float = 0.020, reps: int = 5, back_to_back_ms=(), k_steps: int = 4,
         b2b_reps: int = 3, megatron: bool = True, niceness: int = -20, only=(),
         timeout_s: float = 900) -> dict:
-    from megatron_pp_ext.demo.launch import spawn
+    from megatron_pp_ext.train.processes import spawn
 
     setup = Setup(p=p, ms=tuple(ms), t=t, reps=reps, k_steps=k_steps, b2b_reps=b2b_reps,
                   back_to_back_ms=tuple(back_to_back_ms), megatron=megatron, niceness=niceness,

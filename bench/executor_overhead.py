@@ -131,7 +131,7 @@ def _gloo_tree(rank: int, world: int, cases, reps: int) -> dict:
 
 
 def gloo(cases, p: int, reps: int = 10, timeout_s: float = 300) -> dict:
-    from megatron_pp_ext.demo.launch import spawn
+    from megatron_pp_ext.train.processes import spawn
 
     per_rank = spawn(p, _gloo_tree, list(cases), reps, timeout_s=timeout_s)
     out = {}

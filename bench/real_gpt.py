@@ -21,8 +21,8 @@ def tree(rank: int, world: int, m: int, steps: int) -> dict:
     import torch.distributed as dist
     from megatron.core.pipeline_parallel import schedules as mcore
 
-    from megatron_pp_ext.demo import tiny_gpt
-    from megatron_pp_ext.demo.launch import init_megatron
+    from megatron_pp_ext.models import tiny_gpt
+    from megatron_pp_ext.train.processes import init_megatron
     from megatron_pp_ext.integration.forward_backward import ScheduleFunction
 
     cfg = tiny_gpt.TinyGPTConfig()
@@ -55,7 +55,7 @@ def tree(rank: int, world: int, m: int, steps: int) -> dict:
 
 
 def run(p: int = 4, m: int = 8, steps: int = 10, timeout_s: float = 600) -> dict:
-    from megatron_pp_ext.demo.launch import spawn
+    from megatron_pp_ext.train.processes import spawn
 
     per_rank = spawn(p, tree, m, steps, timeout_s=timeout_s)
     times = {}

@@ -15,9 +15,9 @@ def megatron_reference():
     """``get(**run_step_kwargs)``: the pp=1 result of Megatron's ``forward_backward_no_pipelining``
     on the full tiny GPT ({"losses", "grads"} by global parameter name), computed once per
     distinct keyword set in the session. Compare other runs with
-    ``megatron_pp_ext.demo.reference.assert_same``."""
-    from megatron_pp_ext.demo.launch import spawn
-    from megatron_pp_ext.demo.reference import merge_results, run_step
+    ``support.reference.assert_same``."""
+    from megatron_pp_ext.train.processes import spawn
+    from support.reference import merge_results, run_step
 
     cache = {}
 

@@ -3,9 +3,9 @@ agree across ranks, and keep the gradients of a fixed-schedule run."""
 
 import pytest
 
-from megatron_pp_ext.demo.launch import spawn
-from megatron_pp_ext.demo.probes import auto_steps
-from megatron_pp_ext.demo.reference import assert_same, merge_results
+from megatron_pp_ext.train.processes import spawn
+from support.probes import auto_steps
+from support.reference import assert_same, merge_results
 
 pytestmark = pytest.mark.megatron_cpu
 

@@ -11,7 +11,7 @@ from megatron_pp_ext.ir import ScheduleError
 from megatron_pp_ext.runtime.errors import PipelineTimeoutError
 from megatron_pp_ext.schedules import build_schedule
 
-from inmemory_helpers import gathered, reference_gradients, run_inmemory
+from support.inmemory import gathered, reference_gradients, run_inmemory
 
 ALL_SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-h2", 1),
                  ("zb-v", 2), ("dualpipev", 2)]
@@ -101,7 +101,7 @@ class OverlappingWork:
 
 
 def test_dualpipev_pairs_run_in_one_call_when_the_model_offers_it(monkeypatch):
-    import inmemory_helpers
+    from support import inmemory as inmemory_helpers
 
     class Work(OverlappingWork, inmemory_helpers.RecordingWork):
         def __init__(self, *args, **kwargs):

@@ -13,7 +13,7 @@ import types
 import pytest
 import torch
 
-from megatron_pp_ext.demo import launch
+from megatron_pp_ext.train import processes as launch
 from megatron_pp_ext.integration import forward_backward as fb
 from megatron_pp_ext.integration.forward_backward import ScheduleFunction, forward_backward_pipelining
 from megatron_pp_ext.ir import ScheduleError
@@ -21,14 +21,14 @@ from megatron_pp_ext.runtime.errors import PipelineTimeoutError
 from megatron_pp_ext.runtime.executor import Executor
 from megatron_pp_ext.schedules import build_schedule
 
-from inmemory_helpers import ROWS, WIDTH, RecordingWork
+from support.inmemory import ROWS, WIDTH, RecordingWork
 
 P2P_TIMEOUT = 5.0
 
 
 # ------------------------------------------------------------------ multi-process helpers
 def collect(world_size: int, fn, *args, silent=(), deadline_s: float = 45.0, **kwargs) -> dict:
-    """Run ``fn(rank, world_size, *args, **kwargs)`` in gloo processes (demo.launch's worker)
+    """Run ``fn(rank, world_size, *args, **kwargs)`` in gloo processes (train.processes's worker)
     and return {rank: result} for the ranks that reported, plus {rank: "died (exit N)"} for
     the ranks that died without a word. Unlike ``launch.spawn`` it keeps collecting after a
     rank dies: the point is what the survivors say. Ranks in ``silent`` are not waited for
@@ -62,7 +62,7 @@ def collect(world_size: int, fn, *args, silent=(), deadline_s: float = 45.0, **k
 
 def report_step(rank, world_size, schedule_fn, num_microbatches_by_rank=None, **kwargs):
     """Spawn target: one tiny-GPT step; the exception (if any) comes back as data."""
-    from megatron_pp_ext.demo.reference import run_step
+    from support.reference import run_step
 
     if num_microbatches_by_rank is not None:
         kwargs["num_microbatches"] = num_microbatches_by_rank[rank]
@@ -338,7 +338,7 @@ def test_interleaved_divisibility(comm_spy):
 
 def test_received_tensor_of_the_wrong_shape_is_named():
     """Rank 0 sends (3, 6) tensors without checking them; rank 1 expects (4, 6)."""
-    from megatron_pp_ext.emulated import microbatch_inputs, stage_weights
+    from support.emulated import microbatch_inputs, stage_weights
     from megatron_pp_ext.runtime.inmemory import run_ranks_in_threads
 
     schedule = build_schedule("1f1b", 2, 2)
@@ -367,7 +367,7 @@ def test_sent_tensor_of_the_wrong_shape_is_refused_before_sending():
 
 
 def _run_with_shape(schedule, shape):
-    from megatron_pp_ext.emulated import microbatch_inputs, stage_weights
+    from support.emulated import microbatch_inputs, stage_weights
     from megatron_pp_ext.runtime.inmemory import run_ranks_in_threads
 
     weights, inputs = stage_weights(2, WIDTH), microbatch_inputs(2, ROWS, WIDTH)

@@ -15,7 +15,7 @@ import torch
 from megatron_pp_ext.ir import ScheduleError
 from megatron_pp_ext.schedules import build_schedule
 
-from inmemory_helpers import gathered, reference_gradients, run_inmemory
+from support.inmemory import gathered, reference_gradients, run_inmemory
 
 RUNS = 200
 SEED = 20260511

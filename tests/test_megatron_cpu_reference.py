@@ -10,9 +10,9 @@ a real difference (wrong stage placement, swapped messages, a different loss sca
 import pytest
 import torch
 
-from megatron_pp_ext.demo import tiny_gpt
-from megatron_pp_ext.demo.launch import SpawnError, spawn
-from megatron_pp_ext.demo.reference import assert_same, merge_results, run_step, run_steps
+from megatron_pp_ext.models import tiny_gpt
+from megatron_pp_ext.train.processes import SpawnError, spawn
+from support.reference import assert_same, merge_results, run_step, run_steps
 
 M = 8  # microbatches
 TIMEOUT = 60
@@ -76,7 +76,7 @@ def _sleep(rank, world_size):
 def _shim_roundtrip(rank, world_size):
     from megatron.core.pipeline_parallel import schedules
 
-    from megatron_pp_ext.demo import cpu_shims
+    from megatron_pp_ext.train import cpu_shims
 
     real_current_device = torch.cuda.current_device
     assert cpu_shims.apply_cpu_shims(force=True)
@@ -194,7 +194,7 @@ def test_v_layout_with_ddp_hooks_and_several_runs_per_launch():
         [
             dict(schedule="1f1b", pp=2, **common),
             dict(
-                schedule="megatron_pp_ext.demo.reference:sequential_forward_backward",
+                schedule="support.reference:sequential_forward_backward",
                 pp=2,
                 layout="v",
                 **common,

@@ -10,14 +10,14 @@ import pytest
 import torch
 
 from megatron_pp_ext.analysis.simulate import CostModel, simulate
-from megatron_pp_ext.emulated import EmulatedCosts
+from support.emulated import EmulatedCosts
 from megatron_pp_ext.integration import agreement
 from megatron_pp_ext.integration.plan import plan_text, warmup_counts
 from megatron_pp_ext.runtime import trace
 from megatron_pp_ext.schedules import build_schedule
 from megatron_pp_ext.timeline import COMM_WAIT, Timeline
 
-from inmemory_helpers import run_inmemory
+from support.inmemory import run_inmemory
 
 T = 0.03  # emulated cost of one F, I or W (a B is I + W) in seconds
 
@@ -150,7 +150,7 @@ def emulated_traced_steps(rank, world_size, names, p, m, cost):
     stages (sleep costs); the second step is traced and gathered on rank 0."""
     import torch.distributed as dist
 
-    from megatron_pp_ext.emulated import EmulatedStageWork, microbatch_inputs, stage_weights
+    from support.emulated import EmulatedStageWork, microbatch_inputs, stage_weights
     from megatron_pp_ext.runtime.executor import Executor
     from megatron_pp_ext.runtime.transport import TorchDistTransport
 
@@ -173,7 +173,7 @@ def emulated_traced_steps(rank, world_size, names, p, m, cost):
 
 
 def test_measured_bubble_matches_the_prediction_over_gloo():
-    from megatron_pp_ext.demo.launch import spawn
+    from megatron_pp_ext.train.processes import spawn
 
     p, m = 4, 8
     per_rank = spawn(p, emulated_traced_steps, ["1f1b", "zb-h1"], p, m, T, timeout_s=90)
@@ -209,7 +209,7 @@ def test_measured_bubble_matches_the_prediction_over_gloo():
 
 def traced_megatron_steps(rank, world_size, name):
     """Spawn target: two steps of the tiny GPT through ScheduleFunction(trace=True)."""
-    from megatron_pp_ext.demo.reference import run_step
+    from support.reference import run_step
     from megatron_pp_ext.integration.forward_backward import STATE, ScheduleFunction
 
     records = []
@@ -230,7 +230,7 @@ def traced_megatron_steps(rank, world_size, name):
 
 
 def test_install_trace_sets_last_timeline_on_rank_0():
-    from megatron_pp_ext.demo.launch import spawn
+    from megatron_pp_ext.train.processes import spawn
 
     per_rank = spawn(2, traced_megatron_steps, "zb-h1", timeout_s=90)
     schedule = build_schedule("zb-h1", 2, 4)

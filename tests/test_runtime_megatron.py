@@ -2,15 +2,15 @@
 the CPU, against Megatron-Core's own schedules and the pp=1 run (same model, same data).
 
 Mocked: nothing of Megatron; CUDA-only calls in Megatron's *model* code and *own schedules*
-are redirected to the CPU by megatron_pp_ext.demo.cpu_shims (the plugin needs none)."""
+are redirected to the CPU by megatron_pp_ext.train.cpu_shims (the plugin needs none)."""
 
 import pytest
 
-from megatron_pp_ext.demo.launch import spawn
-from megatron_pp_ext.demo.probes import probe_step
+from megatron_pp_ext.train.processes import spawn
+from support.probes import probe_step
 import torch
 
-from megatron_pp_ext.demo.reference import assert_same, compare_grads, merge_results, run_steps
+from support.reference import assert_same, compare_grads, merge_results, run_steps
 from megatron_pp_ext.integration.forward_backward import ScheduleFunction
 
 pytestmark = pytest.mark.megatron_cpu

@@ -7,7 +7,7 @@ forward_backward_func, as Megatron-LM's train_step does, and runs a few steps of
     MEGATRON_PP_SCHEDULE=zb-h1 .venv/bin/torchrun --nproc-per-node 2 \
         -m megatron_pp_ext.run docs/examples/megatron_step.py
 
-CPU and gloo (the tiny GPT and the CPU shims come from megatron_pp_ext.demo); pp = the number
+CPU and gloo (the tiny GPT and the CPU shims come from megatron_pp_ext.models and megatron_pp_ext.train); pp = the number
 of processes. Prints which function Megatron handed out and the loss of each step.
 """
 
@@ -19,8 +19,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 
-from megatron_pp_ext.demo import tiny_gpt
-from megatron_pp_ext.demo.launch import init_megatron
+from megatron_pp_ext.models import tiny_gpt
+from megatron_pp_ext.train.processes import init_megatron
 
 STEPS, MICROBATCHES = 3, 8
 

@@ -8,7 +8,7 @@ from the two before it. So a model that learns reaches a loss near
 falling loss is learning, not memorising.
 
 Batches are dicts in the format of Megatron-LM's ``get_batch`` (the same as
-``demo.tiny_gpt.mock_batches``, so ``demo.tiny_gpt.forward_step_func`` consumes them): tokens and
+``models.tiny_gpt.mock_batches``, so ``models.tiny_gpt.forward_step_func`` consumes them): tokens and
 labels ``[b, s]`` int64 (labels are the tokens shifted by one), loss_mask ``[b, s]`` float32,
 position_ids ``[b, s]``, attention_mask ``[1, 1, s, s]`` bool, True = masked (causal).
 """

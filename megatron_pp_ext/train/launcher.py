@@ -1,8 +1,8 @@
 """Who starts the ranks.
 
 * No launcher around the command (no ``RANK``/``WORLD_SIZE``, not a multi-task ``srun`` step):
-  the command starts ``--pp`` processes on this machine itself (``demo.launch.spawn``), joined by
-  gloo, on the CPU (with ``demo.cpu_shims``).
+  the command starts ``--pp`` processes on this machine itself (``train.processes.spawn``), joined by
+  gloo, on the CPU (with ``train.cpu_shims``).
 * ``torchrun`` (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``): one
   rank per process, ``init_process_group(init_method="env://")``.
 * ``srun`` with more than one task (``SLURM_PROCID``, ``SLURM_NTASKS``/``SLURM_STEP_NUM_TASKS``,
@@ -86,7 +86,7 @@ def run(settings: TrainSettings) -> int:
 
 
 def _run_local(settings: TrainSettings) -> int:
-    from ..demo.launch import SpawnError, spawn
+    from .processes import SpawnError, spawn
     from .loop import train_rank
 
     # Megatron-Core warns, in every process, that apex and Transformer Engine are missing
@@ -111,7 +111,7 @@ def _run_launched(settings: TrainSettings, launch: Launch) -> int:
     import torch.distributed as dist
 
     from .. import device as device_helper
-    from ..demo.launch import destroy
+    from .processes import destroy
     from .loop import train_rank
 
     os.environ.update(RANK=str(launch.rank), WORLD_SIZE=str(launch.world_size),

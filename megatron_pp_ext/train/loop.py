@@ -1,7 +1,7 @@
 """One rank's training run, the way Megatron-LM's ``train_step`` does it.
 
 Per rank: Megatron's parallel state (pp, and vp for two or more chunks per rank), this rank's
-chunks of the tiny Megatron-Core ``GPTModel`` (``demo.tiny_gpt``; the V layout for zb-v and
+chunks of the tiny Megatron-Core ``GPTModel`` (``models.tiny_gpt``; the V layout for zb-v and
 dualpipev), Megatron's ``DistributedDataParallel`` and hooks, Megatron's optimizer (Adam, fp32,
 ``get_megatron_optimizer``), then ``megatron_pp_ext.install(schedule, trace=...)``. Every step:
 
@@ -37,12 +37,12 @@ from .settings import TrainSettings
 def train_rank(rank: int, world_size: int, settings: TrainSettings, launcher: str = "local",
                device: torch.device | None = None) -> dict | None:
     """Train on this rank (the process group is already initialized). Returns the summary on
-    rank 0, None elsewhere. A ``demo.launch.spawn`` target."""
+    rank 0, None elsewhere. A ``train.processes.spawn`` target."""
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 
     import megatron_pp_ext
-    from megatron_pp_ext.demo.tiny_gpt import forward_step_func
+    from megatron_pp_ext.models.tiny_gpt import forward_step_func
     from megatron_pp_ext.integration.forward_backward import STATE
 
     # Megatron-Core 0.19.2 logs that GPTModel is deprecated in favour of HybridModel: known.
@@ -163,16 +163,16 @@ def _build(settings: TrainSettings, device: torch.device, backend: str):
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    from ..demo import tiny_gpt
-    from ..demo.cpu_shims import shims_active
-    from ..demo.launch import init_megatron
+    from ..models import tiny_gpt
+    from .cpu_shims import shims_active
+    from .processes import init_megatron
 
     cfg = tiny_gpt.TinyGPTConfig(
         num_layers=settings.num_layers, hidden_size=settings.hidden,
         num_attention_heads=settings.heads, vocab_size=settings.vocab,
         seq_length=settings.seq_length, micro_batch_size=settings.micro_batch_size,
         seed=settings.seed, loss_mask_drop=0.0)
-    # The CPU shims (demo.cpu_shims) only where there is no NCCL; on GPUs Megatron runs as is.
+    # The CPU shims (train.cpu_shims) only where there is no NCCL; on GPUs Megatron runs as is.
     init_megatron(settings.pp, settings.vp_size, seed=settings.seed,
                   force_cpu=backend != "nccl")
     config = tiny_gpt.make_transformer_config(cfg, settings.pp, settings.vp_size)
@@ -183,7 +183,7 @@ def _build(settings: TrainSettings, device: torch.device, backend: str):
         grad_reduce_in_fp32=False, overlap_grad_reduce=False, use_distributed_optimizer=False)
     model = tiny_gpt.wrap_with_ddp(chunks, config, ddp_config)
     tiny_gpt.configure_hooks(config, model)
-    # On the CPU: no clipping (Megatron's clip asserts CUDA grads; see demo/cpu_shims.py).
+    # On the CPU: no clipping (Megatron's clip asserts CUDA grads; see train/cpu_shims.py).
     clip_grad = 0.0 if shims_active() else 1.0
     optimizer = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=settings.lr, weight_decay=0.0, clip_grad=clip_grad,

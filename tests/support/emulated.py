@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .ir import Action, Schedule
+from megatron_pp_ext.ir import Action, Schedule
 
 
 @dataclass

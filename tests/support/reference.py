@@ -1,8 +1,8 @@
 """One training step of the tiny GPT under a schedule, as a :func:`launch.spawn` target, and the
 helpers that merge and compare what the ranks return.
 
-    from megatron_pp_ext.demo.launch import spawn
-    from megatron_pp_ext.demo.reference import run_step, merge_results
+    from megatron_pp_ext.train.processes import spawn
+    from support.reference import run_step, merge_results
 
     ref = merge_results(spawn(1, run_step, "no_pipelining", pp=1))
     out = merge_results(spawn(4, run_step, "1f1b", pp=4))
@@ -25,8 +25,8 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
-from megatron_pp_ext.demo import tiny_gpt
-from megatron_pp_ext.demo.tiny_gpt import TinyGPTConfig
+from megatron_pp_ext.models import tiny_gpt
+from megatron_pp_ext.models.tiny_gpt import TinyGPTConfig
 
 __all__ = [
     "call_schedule",
@@ -125,7 +125,7 @@ def run_step(
         )
     from megatron.core import parallel_state
 
-    from megatron_pp_ext.demo.launch import init_megatron
+    from megatron_pp_ext.train.processes import init_megatron
 
     init_megatron(pp, vp, seed=cfg.seed)
     overrides = dict(config_overrides or {})

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_pp_ext.emulated import (
+from support.emulated import (
     EmulatedCosts,
     EmulatedStageWork,
     microbatch_inputs,

@@ -11,9 +11,9 @@ from typing import Any, Optional
 
 import torch
 
-from megatron_pp_ext.demo import tiny_gpt
-from megatron_pp_ext.demo.reference import call_schedule
-from megatron_pp_ext.demo.tiny_gpt import TinyGPTConfig
+from megatron_pp_ext.models import tiny_gpt
+from support.reference import call_schedule
+from megatron_pp_ext.models.tiny_gpt import TinyGPTConfig
 
 
 class HookLog:
@@ -139,7 +139,7 @@ def probe_step(
     the warnings raised."""
     from megatron.core.distributed import DistributedDataParallelConfig
 
-    from megatron_pp_ext.demo.launch import init_megatron
+    from megatron_pp_ext.train.processes import init_megatron
 
     vp = vp if (vp or 1) > 1 else None
     if layout == "v" and vp is None:
@@ -215,7 +215,7 @@ def auto_steps(rank: int, world_size: int, pp: int, steps: int = 3, layout: str 
                **run_kwargs) -> dict[str, Any]:
     """``steps`` steps with ``schedule="auto"`` (each on a fresh model with the same weights
     and data), then the fixed 1f1b step; returns each step's result and auto's choice."""
-    from megatron_pp_ext.demo.reference import run_step
+    from support.reference import run_step
     from megatron_pp_ext.integration.forward_backward import STATE, ScheduleFunction
 
     auto = ScheduleFunction("auto")

@@ -1,8 +1,10 @@
 """CPU shims that let Megatron-Core's *model code* and Megatron-Core's *own schedules* run on a
 machine without a GPU (torch.distributed with the gloo backend).
 
-Test/demo helper only: the plugin's own schedule path (``megatron_pp_ext.runtime``,
-``megatron_pp_ext.integration``) must need none of this. This file and
+The CPU backend of the ``train`` command (and of the tests, which import it from here): applied
+only by ``train.processes.init_megatron`` on a machine without a GPU. The plugin's own schedule
+path (``megatron_pp_ext.runtime``, ``megatron_pp_ext.integration``) never imports it
+(``tests/test_layout.py`` checks). This file and
 ``megatron_pp_ext/device.py`` are the only places in the package that touch ``torch.cuda``.
 
 Every shim is applied only when ``torch.cuda.is_available()`` is False, is idempotent, and is

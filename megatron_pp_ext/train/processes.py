@@ -39,7 +39,7 @@ _PRELOAD = [
     "megatron.core.models.gpt",
     "megatron.core.pipeline_parallel.schedules",
     "megatron.core.distributed",
-    "megatron_pp_ext.demo.reference",
+    "support.reference",
 ]
 _CONTEXTS: dict[str, Any] = {}
 
@@ -283,7 +283,7 @@ def init_megatron(
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from megatron_pp_ext.demo.cpu_shims import apply_cpu_shims
+    from megatron_pp_ext.train.cpu_shims import apply_cpu_shims
 
     apply_cpu_shims(force=force_cpu)
     world = dist.get_world_size()

@@ -1,0 +1,1 @@
+"""Models the `train` command trains: the tiny Megatron-Core GPT (loop and V layouts)."""
