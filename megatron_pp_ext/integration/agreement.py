@@ -12,6 +12,13 @@
    reads its peers' lines, so the rank that merely waited on a healthy-but-failed neighbour
    can still name the rank that died first. Best effort: a store that does not answer within
    two seconds is skipped.
+
+   Which rank failed first must not depend on which of two timeouts fires first. A rank that
+   timed out on a peer that is still alive therefore waits (bounded) for that peer's own note
+   before it names suspects: if the peer is itself blocked on someone, its wait started before
+   ours expired, so it expires (and writes its note) within one timeout of ours; a peer that
+   writes nothing in that window is hung itself. A lost connection needs no wait: a rank that
+   fails publishes its note before its process exits and closes the connection.
 """
 
 from __future__ import annotations
@@ -202,17 +209,39 @@ def publish_failure(pp_group, rank: int, note: str) -> None:
     _bounded(lambda: store.set(key, note))
 
 
-def peer_failures(pp_group, rank: int) -> dict[int, str]:
-    """Failure notes of the other ranks of ``pp_group``: {pipeline rank: note}."""
+def _members(pp_group) -> list[int] | None:
+    """Global ranks of ``pp_group`` by pipeline rank (None if they cannot be had)."""
     import torch.distributed as dist
 
-    store = _store()
-    if store is None:
-        return {}
     try:
-        members = dist.get_process_group_ranks(pp_group) if pp_group is not None else list(
+        return dist.get_process_group_ranks(pp_group) if pp_group is not None else list(
             range(dist.get_world_size()))
     except Exception:  # noqa: BLE001
+        return None
+
+
+def await_peer_note(pp_group, peer: int, within_s: float) -> bool:
+    """Wait up to ``within_s`` for pipeline rank ``peer``'s failure note; True if it came."""
+    store, members = _store(), _members(pp_group)
+    if store is None or members is None or not 0 <= peer < len(members):
+        return False
+    key = f"{_NOTE_PREFIX}{members[peer]}"
+
+    def wait() -> bool:
+        deadline = time.monotonic() + within_s
+        while not store.check([key]):
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+        return True
+
+    return bool(_bounded(wait, timeout_s=within_s + _STORE_TIMEOUT_S))
+
+
+def peer_failures(pp_group, rank: int) -> dict[int, str]:
+    """Failure notes of the other ranks of ``pp_group``: {pipeline rank: note}."""
+    store, members = _store(), _members(pp_group)
+    if store is None or members is None:
         return {}
 
     def read():
@@ -232,6 +261,12 @@ def explain_failure(exc: BaseException, pp_group, rank: int) -> None:
     message. Mutates ``exc`` in place; never raises."""
     try:
         publish_failure(pp_group, rank, failure_note(exc, rank))
+        peer = getattr(exc, "peer", None)
+        if isinstance(peer, int) and getattr(exc, "cause", None) is None:
+            # Timed out on a live peer: give it one timeout (plus the store's slack) to say
+            # whether it waited on someone else (see the module docstring).
+            await_peer_note(pp_group, peer, float(getattr(exc, "waited_s", 0.0)) +
+                            _STORE_TIMEOUT_S)
         notes = peer_failures(pp_group, rank)
         if not notes:
             return
@@ -263,5 +298,5 @@ def _peers_named(note: str) -> set[int]:
 __all__ = [
     "AgreementTimeoutError", "FINGERPRINT_FIELDS", "settings", "fingerprint",
     "describe_disagreement", "check_agreement", "publish_failure", "peer_failures",
-    "explain_failure",
+    "await_peer_note", "explain_failure",
 ]

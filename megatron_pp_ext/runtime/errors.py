@@ -8,6 +8,7 @@ class PipelineTimeoutError(RuntimeError):
 
     def __init__(self, rank: int, peer: int, pending: str, waited_s: float, recent: list[str]):
         self.rank, self.peer, self.pending, self.recent = rank, peer, pending, recent
+        self.waited_s = waited_s
         history = " ".join(recent[-32:]) or "(none)"
         super().__init__(
             f"pipeline rank {rank} waited {waited_s:.1f} s for rank {peer} and gave up: pending "
