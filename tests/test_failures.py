@@ -27,10 +27,12 @@ P2P_TIMEOUT = 5.0
 
 
 # ------------------------------------------------------------------ multi-process helpers
-def collect(world_size: int, fn, *args, silent=(), deadline_s: float = 45.0, **kwargs) -> dict:
+def collect(world_size: int, fn, *args, silent=(), deadline_s: float = 180.0, **kwargs) -> dict:
     """Run ``fn(rank, world_size, *args, **kwargs)`` in gloo processes (train.processes's worker)
     and return {rank: result} for the ranks that reported, plus {rank: "died (exit N)"} for
-    the ranks that died without a word. Unlike ``launch.spawn`` it keeps collecting after a
+    the ranks that died without a word. ``deadline_s`` only bounds a broken run (a rank that
+    never reports is then missing from the result and the test fails on it); no assertion reads
+    the wall clock, which a loaded machine stretches. Unlike ``launch.spawn`` it keeps collecting after a
     rank dies: the point is what the survivors say. Ranks in ``silent`` are not waited for
     (they hang); every rank is stopped at the end."""
     ctx = launch._context("forkserver")
@@ -112,8 +114,8 @@ def _timeouts(timeout_s=P2P_TIMEOUT, **extra):
 # ------------------------------------------------------------------ a rank dies / hangs
 def test_a_rank_dies_mid_step_and_every_other_rank_names_it():
     """Rank 2 dies at its 4th forward (microbatch 3, mid-step) in a 4-rank 1F1B run; gloo
-    reports the lost connection at once, and each survivor stops within seconds."""
-    started = time.monotonic()
+    reports the lost connection at once: its neighbours stop on the lost connection, not on
+    their timeout, and rank 0 on its neighbour's failure."""
     out = collect(4, report_step, FailingRank(_timeouts(), rank=2, after=3), pp=4,
                   num_microbatches=8)
     assert out[2].startswith("died"), out[2]
@@ -121,12 +123,12 @@ def test_a_rank_dies_mid_step_and_every_other_rank_names_it():
         got = out[rank]
         assert isinstance(got, dict) and not got.get("ok"), (rank, got)
         assert got["is_timeout"], (rank, got["type"], got["text"])
-        assert got["elapsed"] < 20, (rank, got["elapsed"])
         assert got["rank"] == rank
         assert got["text"].startswith(f"pipeline rank {rank} ")
         assert "pending" in got["text"] and got["pending"]
     # the neighbours of the dead rank name it as the peer they lost, and what they waited for
     for rank in (1, 3):
+        assert out[rank]["type"] == "PeerLostError", out[rank]["text"]  # not a timeout
         assert out[rank]["peer"] == 2, out[rank]["text"]
         assert "rank 2" in out[rank]["pending"], out[rank]["pending"]
         assert "lost its connection to rank 2" in out[rank]["text"]
@@ -139,7 +141,6 @@ def test_a_rank_dies_mid_step_and_every_other_rank_names_it():
     assert out[0]["peer"] == 1
     assert out[0]["suspects"] == [2], out[0]["text"]
     assert "Suspected to have failed first: rank(s) [2]" in out[0]["text"]
-    assert time.monotonic() - started < 90  # the launch included
 
 
 def test_a_hung_rank_times_out_naming_the_peer_and_the_pending_action():
@@ -154,7 +155,7 @@ def test_a_hung_rank_times_out_naming_the_peer_and_the_pending_action():
         assert got["is_timeout"] and got["peer"] == 1, got
         assert got["text"].startswith(f"pipeline rank {rank} waited 2."), got["text"]
         assert "s for rank 1 and gave up: pending" in got["text"], got["text"]
-        assert timeout - 0.2 < got["elapsed"] < 20, got["elapsed"]
+        assert got["elapsed"] > timeout - 0.2, got["elapsed"]  # it waited the timeout out
     # rank 2 received microbatches 0 and 1, and waits for microbatch 2's activation
     assert "2F2 (microbatch 2) waiting for the forward tensor of microbatch 2 from rank 1" in \
         out[2]["pending"]
@@ -162,7 +163,6 @@ def test_a_hung_rank_times_out_naming_the_peer_and_the_pending_action():
     # rank 3 waits on rank 2, which gave up and left: it names rank 2 as its peer, and,
     # from rank 2's report, rank 1 as the suspect
     assert out[3]["is_timeout"] and out[3]["peer"] == 2, out[3]
-    assert out[3]["elapsed"] < 20
     assert "rank 2 waited for rank 1 and gave up" in out[3]["text"], out[3]["text"]
     assert out[3]["suspects"] == [1], out[3]["text"]
 
@@ -177,7 +177,6 @@ def test_ranks_with_different_num_microbatches_all_fail_at_startup():
                                       "ranks 0, 1, 3 have num_microbatches=8, "
                                       "rank 2 has num_microbatches=4"), got["text"]
         assert "must call forward_backward_func with the same" in got["text"]
-        assert got["elapsed"] < 20
 
 
 def test_ranks_with_different_options_name_the_option():

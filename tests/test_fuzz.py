@@ -6,7 +6,6 @@ losses of the same schedule run without delays, and within rounding of the pp=1 
 from __future__ import annotations
 
 import random
-import time
 from collections import Counter
 
 import pytest
@@ -47,7 +46,6 @@ def draw(rng: random.Random):
 
 def test_random_runs_with_random_delays_match_the_undelayed_runs():
     rng = random.Random(SEED)
-    started = time.monotonic()
     seen: Counter = Counter()
     undelayed: dict = {}
     for run in range(RUNS):
@@ -72,4 +70,3 @@ def test_random_runs_with_random_delays_match_the_undelayed_runs():
         assert [losses[mb] for mb in range(m)] == pytest.approx(ref_losses, rel=1e-12), where
     # every schedule was drawn often enough to mean something
     assert set(seen) == set(SCHEDULES) and min(seen.values()) >= 10, seen
-    assert time.monotonic() - started < 60
