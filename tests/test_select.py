@@ -8,8 +8,7 @@ from pathlib import Path
 import pytest
 
 from megatron_pp_ext.analysis.select import MiB, chunk_costs, select_schedules
-from megatron_pp_ext.analysis.simulate import CostModel, simulate
-from megatron_pp_ext.schedules import build_schedule
+from megatron_pp_ext.analysis.simulate import CostModel
 
 ROOT = Path(__file__).resolve().parents[1]
 EQUAL = CostModel(t_f=1, t_i=1, t_w=1)
@@ -17,6 +16,41 @@ EQUAL = CostModel(t_f=1, t_i=1, t_w=1)
 
 def names(entries):
     return [(e.name, e.chunks) for e in entries]
+
+
+def expected_makespans(p, m, t_f, t_i, t_w):
+    """Single-step makespans from the published formulas, for per-rank costs and t_comm = 0:
+    the oracle the selector's figures are checked against (nothing here calls the simulator).
+
+    Every rank does m (t_F + t_B) of work (t_B = t_I + t_W) whatever the schedule; the
+    makespan is that plus one rank's bubble:
+      gpipe, 1f1b     (p-1)(t_F + t_B)               GPipe; PipeDream-Flush (1F1B)
+      interleaved v   (p-1)(t_F + t_B) / v           Megatron-LM (Narayanan et al. 2021),
+                                                     m a multiple of p
+      zb-h1           (p-1)(t_F + t_B - 2 t_W)       ZB1P (Qi et al. 2024; DualPipe's table)
+      zb-h2           (p-1) t_F                      the least any schedule can have: rank p-1
+                                                     starts after p-1 forwards
+      zb-v            (p-1) t_F / 2                  the same bound for the V layout, whose
+                                                     chunk forwards cost t_F / 2 (equal costs)
+      dualpipev       (p-1)(t_F + t_B - 2 t_W) / 2   ZB1P's bubble on half-size chunks when a
+                                                     pair runs F then B, t_F = t_I (see
+                                                     test_zero_bubble_builders)
+    """
+    t_b = t_i + t_w
+    work = m * (t_f + t_b)
+    spans = {
+        ("gpipe", 1): work + (p - 1) * (t_f + t_b),
+        ("1f1b", 1): work + (p - 1) * (t_f + t_b),
+        ("zb-h1", 1): work + (p - 1) * (t_f + t_b - 2 * t_w),
+        ("zb-h2", 1): work + (p - 1) * t_f,
+    }
+    for v in (2, 3, 4):
+        spans[("interleaved", v)] = work + (p - 1) * (t_f + t_b) / v
+    if t_f == t_i >= t_w:
+        spans[("dualpipev", 2)] = work + (p - 1) * (t_f + t_b - 2 * t_w) / 2
+    if t_f == t_i == t_w:
+        spans[("zb-v", 2)] = work + (p - 1) * t_f / 2
+    return spans
 
 
 def test_tight_budget_excludes_gpipe_and_zb_h2_with_their_numbers():
@@ -33,32 +67,53 @@ def test_tight_budget_excludes_gpipe_and_zb_h2_with_their_numbers():
     # 1F1B holds p - r = 4 activations on rank 0: exactly the budget, which fits.
     assert names(selection.ranked) == [("zb-v", 2), ("zb-h1", 1), ("1f1b", 1)]
     assert [r.peak_bytes for r in selection.ranked] == [256 * MiB] * 3
+    assert [r.makespan for r in selection.ranked] == [25.5, 27, 33]  # expected_makespans
 
 
-def test_loose_budget_equal_costs_the_winner_is_zero_bubble():
+def test_loose_budget_equal_costs_every_figure_from_the_formulas():
     selection = select_schedules(4, 8, EQUAL, activation_bytes=1 * MiB,
                                  memory_budget_bytes=1024 * MiB)
     assert selection.excluded == []
-    best = selection.best
-    assert best.name in ("zb-h1", "zb-h2", "zb-v", "dualpipev")
-    one_f_one_b = next(r for r in selection.ranked if r.name == "1f1b")
-    assert one_f_one_b.makespan == pytest.approx(3 * (8 + 4 - 1))  # (m + p - 1)(t_F + t_B)
-    assert best.makespan < 0.8 * one_f_one_b.makespan
-    assert best.bubble < one_f_one_b.bubble
+    want = expected_makespans(4, 8, 1, 1, 1)
+    assert want[("1f1b", 1)] == 3 * (8 + 4 - 1)  # (m + p - 1)(t_F + t_B)
+    got = {(r.name, r.chunks): r for r in selection.ranked}
+    assert set(got) == set(want)
+    for key, makespan in want.items():
+        assert got[key].makespan == pytest.approx(makespan, abs=1e-9), key
+        # each rank computes m (t_F + t_B) = 24 of the makespan; the bubble is the rest
+        assert got[key].bubble == pytest.approx(1 - 24 / makespan, abs=1e-12), key
+    # By makespan, ties to the smaller peak (activation_bytes / v per chunk-activation):
+    # zb-v's 2p = 8 half-size activations before dualpipev's 2p + 1; at 27, zb-h1's p = 4
+    # before interleaved v=3's 15 thirds and zb-h2's 2p - 1 = 7; gpipe's m = 8 after 1f1b's p.
+    assert names(selection.ranked) == [
+        ("zb-v", 2), ("dualpipev", 2), ("interleaved", 4), ("zb-h1", 1), ("interleaved", 3),
+        ("zb-h2", 1), ("interleaved", 2), ("1f1b", 1), ("gpipe", 1)]
+    assert [r.peak_bytes / MiB for r in selection.ranked] == [
+        4, 4.5, 19 / 4, 4, 5, 7, 11 / 2, 4, 8]
 
 
-def test_ranking_is_by_predicted_makespan_of_chunk_costs():
-    costs = CostModel(t_f=2, t_i=1.5, t_w=1, t_comm=0.1)
-    selection = select_schedules(4, 8, costs, activation_bytes=MiB,
-                                 memory_budget_bytes=1e12)
-    spans = [r.makespan for r in selection.ranked]
-    assert spans == sorted(spans)
-    for r in selection.ranked:  # each figure is the simulator's, with 1/v chunk costs
-        timeline = simulate(build_schedule(r.name, 4, 8, r.chunks), chunk_costs(costs, r.chunks))
-        assert r.makespan == pytest.approx(timeline.makespan)
-        assert r.bubble == pytest.approx(timeline.bubble_fraction)
-        # the same total work on every rank whatever v: m x (t_F + t_I + t_W) per rank
-        assert timeline.busy(0) == pytest.approx(8 * 4.5)
+def test_ranking_with_distinct_costs_follows_the_formulas():
+    """t_F = 2, t_B = 3, t_W = 1 (t_I = 2): every figure from its formula, none from simulate."""
+    costs = CostModel(t_f=2, t_i=2, t_w=1, t_comm=0)
+    selection = select_schedules(4, 8, costs, activation_bytes=MiB, memory_budget_bytes=1e12,
+                                 candidates=["gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2",
+                                             "dualpipev"])
+    want = expected_makespans(4, 8, 2, 2, 1)
+    assert want == {("gpipe", 1): 55, ("1f1b", 1): 55, ("zb-h1", 1): 49, ("zb-h2", 1): 46,
+                    ("dualpipev", 2): 44.5, ("interleaved", 2): 47.5, ("interleaved", 3): 45,
+                    ("interleaved", 4): 43.75}
+    got = {(r.name, r.chunks): r for r in selection.ranked}
+    assert set(got) == set(want)
+    for key, makespan in want.items():
+        assert got[key].makespan == pytest.approx(makespan, abs=1e-9), key
+        assert got[key].bubble == pytest.approx(1 - 40 / makespan, abs=1e-12), key
+    assert names(selection.ranked) == [
+        ("interleaved", 4), ("dualpipev", 2), ("interleaved", 3), ("zb-h2", 1),
+        ("interleaved", 2), ("zb-h1", 1), ("1f1b", 1), ("gpipe", 1)]
+    # a v-chunk candidate's costs: 1/v of the rank's; t_comm and t_overhead as given
+    assert chunk_costs(CostModel(t_f=2, t_i=[1.5, 3], t_w=1, t_comm=0.1, t_overhead=0.2),
+                       2) == CostModel(t_f=1.0, t_i=[0.75, 1.5], t_w=0.5, t_b=None,
+                                       t_comm=0.1, t_overhead=0.2)
 
 
 def test_interleaved_needs_m_at_least_p_and_says_so():
@@ -77,9 +132,14 @@ def test_candidates_and_per_rank_costs():
                               1e12, candidates=["1f1b", ("zb-v", 2)])
     assert names(scalar.ranked) == [("zb-v", 2), ("1f1b", 1)]
     assert [r.makespan for r in listed.ranked] == [r.makespan for r in scalar.ranked]
+    assert [r.makespan for r in scalar.ranked] == [25.5, 33]
     slow_last = select_schedules(4, 8, CostModel(t_f=[1, 1, 1, 2], t_i=1, t_w=1), MiB, 1e12,
                                  candidates=["1f1b"])
-    assert slow_last.best.makespan > scalar.ranked[1].makespan
+    # 1F1B with one slow stage: the first forward reaches it after 3 x 1, it then works
+    # m (2 + 2) = 32 without a gap, and its last gradient goes back through 3 x 2
+    assert slow_last.best.makespan == 3 + 32 + 6
+    # idle: ranks 0-2 compute 8 x 3 = 24 of the 41, rank 3 32 of them
+    assert slow_last.best.bubble == pytest.approx((3 * 17 + 9) / (4 * 41), abs=1e-12)
     with pytest.raises(ValueError, match="one number >= 0 per rank"):
         select_schedules(4, 8, CostModel(t_f=[1, 2]), MiB, 1e12)
     with pytest.raises(ValueError, match="unknown schedule 'zb-h3'"):
@@ -100,14 +160,16 @@ def run_cli(*args):
 
 def test_cli_json_and_text():
     args = ["--ranks", "4", "--microbatches", "8", "--t-f", "20", "--t-i", "20", "--t-w", "20",
-            "--t-comm", "0.5", "--activation-mb", "64", "--memory-budget-mb", "256"]
+            "--t-comm", "0", "--activation-mb", "64", "--memory-budget-mb", "256"]
     done = run_cli(*args, "--format", "json")
     assert done.returncode == 0, done.stderr
     data = json.loads(done.stdout)
     assert [(r["name"], r["chunks"]) for r in data["ranked"]] == [
         ("zb-v", 2), ("zb-h1", 1), ("1f1b", 1)]
     assert data["ranked"][2]["peak_activations"] == [4, 3, 2, 1]
-    assert data["ranked"][0]["makespan"] < data["ranked"][1]["makespan"]
+    want = expected_makespans(4, 8, 20, 20, 20)
+    assert [r["makespan"] for r in data["ranked"]] == [
+        want[("zb-v", 2)], want[("zb-h1", 1)], want[("1f1b", 1)]] == [510, 540, 660]
     excluded = {(e["name"], e["chunks"]): e["reason"] for e in data["excluded"]}
     assert excluded[("zb-h2", 1)].startswith("peak 7 x 64 MiB = 448 MiB on rank 0")
 
