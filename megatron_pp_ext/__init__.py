@@ -10,7 +10,8 @@ __version__ = "0.1.0"
 _LAZY = {
     "install": "megatron_pp_ext.integration.install",
     "uninstall": "megatron_pp_ext.integration.install",
-    "forward_backward_pipelining": "megatron_pp_ext.integration.forward_backward",
+    "Installation": "megatron_pp_ext.integration.install",
+    "ScheduleFunction": "megatron_pp_ext.integration.forward_backward",
     "PipelineOptions": "megatron_pp_ext.integration.options",
     "PipelineTimeoutError": "megatron_pp_ext.runtime.errors",
 }

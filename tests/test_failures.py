@@ -15,7 +15,7 @@ import torch
 
 from megatron_pp_ext.train import processes as launch
 from megatron_pp_ext.integration import forward_backward as fb
-from megatron_pp_ext.integration.forward_backward import ScheduleFunction, forward_backward_pipelining
+from megatron_pp_ext.integration.forward_backward import ScheduleFunction
 from megatron_pp_ext.ir import ScheduleError
 from megatron_pp_ext.runtime.errors import PipelineTimeoutError
 from megatron_pp_ext.runtime.executor import Executor
@@ -237,17 +237,16 @@ def comm_spy(monkeypatch):
     for name in ("all_gather", "all_gather_object", "batch_isend_irecv", "isend", "irecv",
                  "send", "recv", "broadcast", "gather_object"):
         monkeypatch.setattr(dist, name, record(name))
-    monkeypatch.setattr(fb, "STATE", fb.RunState())
     return calls
 
 
 def _call(schedule="1f1b", chunks=1, iterators=None, m=8, pp=4, config=None, options=None,
           p2p_communicator=None):
-    fb.STATE.options = fb.PipelineOptions.from_kwargs(schedule, **(options or {}))
+    function = ScheduleFunction(schedule, **(options or {}))
     config = config or _config(pipeline_model_parallel_size=pp)
     models = [types.SimpleNamespace(config=config) for _ in range(chunks)]
     pg = types.SimpleNamespace(pp=_Group(pp), tp=_Group(1), cp=_Group(1))
-    return forward_backward_pipelining(
+    return function(
         forward_step_func=None, data_iterator=iterators if iterators is not None else
         [None] * chunks, model=models if chunks > 1 else models[0], num_microbatches=m,
         seq_length=4, micro_batch_size=2, pg_collection=pg, p2p_communicator=p2p_communicator)
@@ -287,10 +286,9 @@ def test_pipeline_size_disagreeing_with_the_config(comm_spy):
 def test_pipeline_size_disagreeing_between_communicator_and_pg_collection(comm_spy):
     communicator = types.SimpleNamespace(pp_group=_Group(4))
     config = _config(pipeline_model_parallel_size=1)
-    fb.STATE.options = fb.PipelineOptions.from_kwargs("1f1b")
     with pytest.raises(ValueError, match=r"communicates on p2p_communicator.pp_group of size 4, "
                        r"but pg_collection.pp.size\(\)=2"):
-        forward_backward_pipelining(
+        ScheduleFunction("1f1b")(
             forward_step_func=None, data_iterator=None, model=types.SimpleNamespace(config=config),
             num_microbatches=8, seq_length=4, micro_batch_size=2,
             pg_collection=types.SimpleNamespace(pp=_Group(2), tp=_Group(1), cp=_Group(1)),

@@ -7,8 +7,14 @@ import sys
 import pytest
 
 import megatron_pp_ext
-from megatron_pp_ext.integration.forward_backward import STATE, forward_backward_pipelining
-from megatron_pp_ext.integration.install import install, installed, uninstall
+from megatron_pp_ext.integration.forward_backward import ScheduleFunction
+from megatron_pp_ext.integration.install import (
+    Installation,
+    current_installation,
+    install,
+    installed,
+    uninstall,
+)
 
 
 @pytest.fixture
@@ -32,27 +38,33 @@ def test_install_routes_every_bound_selector_to_our_function(clean_install):
                  schedules.forward_backward_pipelining_with_interleaving)
     assert core_selector(pp_size=4, vp_size=None) is originals[0]
 
-    install("zb-h1", max_pending_backward=3)
-    assert installed()
+    installation = install("zb-h1", max_pending_backward=3)
+    assert installed() and current_installation() is installation
+    assert isinstance(installation.function, ScheduleFunction)
     for selector in (core_selector, training_selector, schedules.get_forward_backward_func):
-        assert selector(pp_size=4, vp_size=None) is forward_backward_pipelining
-        assert selector(pp_size=4, vp_size=2) is forward_backward_pipelining
+        assert selector(pp_size=4, vp_size=None) is installation.function
+        assert selector(pp_size=4, vp_size=2) is installation.function
         assert selector(pp_size=1, vp_size=None) is schedules.forward_backward_no_pipelining
-    assert STATE.options.schedule == "zb-h1" and STATE.options.max_pending_backward == 3
+    assert installation.options.schedule == "zb-h1"
+    assert installation.state.options.max_pending_backward == 3
 
     uninstall()
-    assert not installed()
+    assert not installed() and not installation.active and current_installation() is None
     assert core_selector(pp_size=4, vp_size=None) is originals[0]
     assert training_selector(pp_size=4, vp_size=2) is originals[1]
 
 
 def test_install_twice_switches_the_schedule_without_patching_twice(clean_install):
-    install("gpipe")
-    install("interleaved")
-    assert STATE.options.schedule == "interleaved"
-    uninstall()
+    first = install("gpipe")
+    patched = len(first.replaced)
+    second = install("interleaved")
+    assert second is first and len(first.replaced) == patched
+    assert first.state.options.schedule == "interleaved"
+    first.uninstall()
     schedules, core_selector, _ = _selectors()
-    assert core_selector(pp_size=2, vp_size=None) is not forward_backward_pipelining
+    assert core_selector(pp_size=2, vp_size=None) is \
+        schedules.forward_backward_pipelining_without_interleaving
+    assert not isinstance(core_selector(pp_size=2, vp_size=None), ScheduleFunction)
 
 
 def test_unknown_schedule_names_the_closest(clean_install):
@@ -71,7 +83,8 @@ def test_bad_options_are_rejected_before_anything_is_patched(clean_install):
 
 def test_the_package_exports_install_lazily():
     assert megatron_pp_ext.install is install
-    assert megatron_pp_ext.forward_backward_pipelining is forward_backward_pipelining
+    assert megatron_pp_ext.Installation is Installation
+    assert megatron_pp_ext.ScheduleFunction is ScheduleFunction
 
 
 def test_environment_variable_switches_an_unmodified_script(tmp_path):
@@ -79,12 +92,45 @@ def test_environment_variable_switches_an_unmodified_script(tmp_path):
     script.write_text(
         "from megatron.core.pipeline_parallel import get_forward_backward_func\n"
         "import megatron_pp_ext\n"
-        "from megatron_pp_ext.integration.forward_backward import STATE\n"
+        "from megatron_pp_ext.integration.install import current_installation\n"
         "f = get_forward_backward_func(pp_size=4, vp_size=None)\n"
-        "print(f is megatron_pp_ext.forward_backward_pipelining, STATE.options.schedule)\n"
+        "print(f is current_installation().function, f.options.schedule)\n"
     )
     env = dict(os.environ, MEGATRON_PP_SCHEDULE="gpipe")
     out = subprocess.run([sys.executable, "-m", "megatron_pp_ext.run", str(script)],
                          capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "True gpipe"
+
+
+def test_split_backward_patch_lives_only_while_a_step_runs():
+    """The I/W split replaces Megatron's linear-layer backward only inside a split step:
+    entered by each step, put back (the very same class attribute) when the last one leaves,
+    and untouched by install()/uninstall()."""
+    from megatron.core.tensor_parallel.layers import (
+        LinearWithGradAccumulationAndAsyncCommunication as Linear,
+    )
+
+    from megatron_pp_ext.runtime import wgrad
+
+    original = Linear.__dict__["backward"]
+    installation = install("zb-h1")
+    assert Linear.__dict__["backward"] is original  # installing patches no layer
+    with wgrad.deferring_linear_backward():
+        assert Linear.backward is wgrad._deferring_backward
+        with wgrad.deferring_linear_backward():  # a second rank's thread, same process
+            assert Linear.backward is wgrad._deferring_backward
+        assert Linear.backward is wgrad._deferring_backward  # still one step running
+    assert Linear.__dict__["backward"] is original
+    installation.uninstall()
+    assert Linear.__dict__["backward"] is original
+
+
+def test_two_schedule_functions_share_no_state():
+    one, two = ScheduleFunction("1f1b"), ScheduleFunction("zb-h1")
+    one.state.steps_run = 3
+    assert two.state.steps_run == 0 and two.state is not one.state
+    import pickle
+
+    copy = pickle.loads(pickle.dumps(one))
+    assert copy.options == one.options and copy.state.steps_run == 0

@@ -210,7 +210,7 @@ def test_measured_bubble_matches_the_prediction_over_gloo():
 def traced_megatron_steps(rank, world_size, name):
     """Spawn target: two steps of the tiny GPT through ScheduleFunction(trace=True)."""
     from support.reference import run_step
-    from megatron_pp_ext.integration.forward_backward import STATE, ScheduleFunction
+    from megatron_pp_ext.integration.forward_backward import ScheduleFunction
 
     records = []
     handler = logging.Handler()
@@ -219,13 +219,14 @@ def traced_megatron_steps(rank, world_size, name):
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     fn = ScheduleFunction(name, trace=True)
+    state = fn.state
     out = []
     for _ in range(2):
         run_step(rank, world_size, fn, pp=world_size, num_microbatches=4)
         out.append({
-            "timeline": None if STATE.last_timeline is None else STATE.last_timeline.to_dict(),
-            "summary": STATE.summary(), "metrics": dict(STATE.last_metrics),
-            "events": len(STATE.last_step.events)})
+            "timeline": None if state.last_timeline is None else state.last_timeline.to_dict(),
+            "summary": state.summary(), "metrics": dict(state.last_metrics),
+            "events": len(state.last_step.events)})
     return {"steps": out, "logged": records}
 
 

@@ -1,14 +1,18 @@
 """The drop-in ``forward_backward_func``: Megatron-Core 0.19.2's keyword signature, return
 value, loss scaling and hooks, running whichever schedule is installed.
 
+``ScheduleFunction(schedule, **options)`` is that function; ``install()`` hands one to
+Megatron. Each keeps what it remembers between steps on its own ``RunState`` (``.state``), so
+two functions (two installations, or schedules run side by side) share nothing.
+
 Around the executor: bad input is rejected before any communication (a ``ValueError`` that
 names the values, the rule and the fix); before the first step of each distinct setting the
 pipeline ranks agree on it (``agreement.check_agreement``: a mismatch raises on every rank)
 and pipeline rank 0 logs the plan (``plan.plan_text``, logger "megatron_pp_ext", INFO);
-with ``trace=True`` every step's measured timeline lands in ``STATE.last_timeline`` on
+with ``trace=True`` every step's measured timeline lands in ``state.last_timeline`` on
 pipeline rank 0, beside the simulator's prediction under the measured costs
-(``STATE.last_predicted``; ``trace.summary_text`` prints both) and its scalars
-(``STATE.last_metrics``, written to Megatron's tensorboard / wandb writers when configured).
+(``state.last_predicted``; ``trace.summary_text`` prints both) and its scalars
+(``state.last_metrics``, written to Megatron's tensorboard / wandb writers when configured).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from ..ir import Schedule
 from ..runtime import trace as tracing
 from ..runtime.errors import PipelineTimeoutError
 from ..runtime.executor import Executor, StepResult
+from ..runtime.messages import Message, incoming_messages
 from ..runtime.transport import TorchDistTransport
 from ..schedules import build_schedule, get_spec
 from ..timeline import Timeline
@@ -61,6 +66,9 @@ class RunState:
     planned: set = field(default_factory=set)
     #: schedule="auto": what was measured and chosen (reset when the options change)
     auto: AutoSchedule | None = None
+    #: per (schedule, rank): the messages each peer sends this rank, derived once (the
+    #: schedule object is kept beside them, so an id is never reused while cached)
+    _incoming: dict = field(default_factory=dict, repr=False)
 
     def activate(self, options: PipelineOptions) -> None:
         """Make ``options`` the active ones; a change starts afresh: the first-step timeout
@@ -69,6 +77,15 @@ class RunState:
             self.steps_run, self.auto = 0, None
         self.options = options
 
+    def incoming(self, schedule: Schedule, rank: int) -> dict[int, list[Message]]:
+        key = (id(schedule), rank)
+        cached = self._incoming.get(key)
+        if cached is None or cached[0] is not schedule:
+            if len(self._incoming) >= 64:
+                self._incoming.clear()
+            cached = self._incoming[key] = (schedule, incoming_messages(schedule, rank))
+        return cached[1]
+
     def summary(self) -> str | None:
         """The last traced step, measured beside predicted (pipeline rank 0), else None."""
         if self.last_timeline is None:
@@ -76,7 +93,6 @@ class RunState:
         return tracing.summary_text(self.last_timeline, self.last_predicted)
 
 
-STATE = RunState()
 logger = logging.getLogger("megatron_pp_ext")
 
 
@@ -196,30 +212,31 @@ def check_pipeline_size(pp_group, p2p_communicator=None, pg_collection=None,
     return p
 
 
-def _first_step_checks(options: PipelineOptions, schedule: Schedule, pp_group, rank: int,
-                       forward_only: bool, recv_shape, dtype, variable: bool, device) -> None:
+def _first_step_checks(state: RunState, options: PipelineOptions, schedule: Schedule, pp_group,
+                       rank: int, forward_only: bool, recv_shape, dtype, variable: bool,
+                       device) -> None:
     """Before the first step of each distinct setting: the ranks agree, rank 0 logs the plan."""
     values = agreement.settings(
         options.schedule, schedule.num_ranks, schedule.num_microbatches, schedule.chunks,
         forward_only, recv_shape, dtype, variable, options.to_dict())
     key = agreement.fingerprint(values)
-    if key not in STATE.agreed and schedule.num_ranks > 1:
+    if key not in state.agreed and schedule.num_ranks > 1:
         agreement.check_agreement(values, pp_group, rank, device,
                                   timeout_s=options.first_timeout_s,
                                   polled=not device_helper.waits_block_host(pp_group))
-    STATE.agreed.add(key)
+    state.agreed.add(key)
     plan_key = (options.schedule, schedule.num_ranks, schedule.num_microbatches,
                 schedule.chunks, forward_only)
-    if plan_key not in STATE.planned:
-        STATE.planned.add(plan_key)
+    if plan_key not in state.planned:
+        state.planned.add(plan_key)
         if rank == 0 and logger.isEnabledFor(logging.INFO):
             from .plan import plan_text
 
             logger.info("%s", plan_text(schedule, recv_shape, dtype))
 
 
-def _trace_step(result: StepResult, schedule: Schedule, rank: int, pp_group, device,
-                config) -> None:
+def _trace_step(state: RunState, result: StepResult, schedule: Schedule, rank: int, pp_group,
+                device, config) -> None:
     """Gather the measured timeline to pipeline rank 0, predict the same schedule under the
     measured costs, share the scalars and write them where Megatron logs."""
     timeline = tracing.gather_timeline(result, schedule, rank, pp_group, device)
@@ -227,15 +244,16 @@ def _trace_step(result: StepResult, schedule: Schedule, rank: int, pp_group, dev
     if timeline is not None:
         predicted = tracing.predicted_timeline(timeline, schedule)
         metrics = tracing.step_metrics(timeline, predicted)
-    STATE.last_timeline, STATE.last_predicted = timeline, predicted
-    STATE.last_metrics = tracing.share_metrics(metrics, rank, pp_group, device)
+    state.last_timeline, state.last_predicted = timeline, predicted
+    state.last_metrics = tracing.share_metrics(metrics, rank, pp_group, device)
     try:
-        tracing.log_metrics(STATE.last_metrics, timers=getattr(config, "timers", None))
+        tracing.log_metrics(state.last_metrics, timers=getattr(config, "timers", None))
     except Exception as exc:  # noqa: BLE001 - logging must not fail a training step
         logger.warning("could not log the pipeline metrics: %s", exc)
 
 
-def forward_backward_pipelining(
+def run_step(
+    state: RunState,
     *,
     forward_step_func,
     data_iterator,
@@ -252,9 +270,9 @@ def forward_backward_pipelining(
     pg_collection=None,
     force_all_reduce: bool | None = False,
 ):
-    """Run one step of the installed schedule; returns the last stage's per-microbatch
+    """Run one step of ``state.options``' schedule; returns the last stage's per-microbatch
     outputs of the loss function (``[]`` on the other ranks), as Megatron does."""
-    options = STATE.options
+    options = state.options
     models = model if isinstance(model, list) else [model]
     iterators = _as_list(data_iterator, "data_iterator", len(models))
     config = get_model_config(models[0])
@@ -268,10 +286,10 @@ def forward_backward_pipelining(
 
     auto, extra_options = None, None
     if options.schedule == AUTO:
-        if STATE.auto is None:
-            STATE.auto = AutoSchedule(options.auto_measure_steps, options.auto_memory_budget_bytes,
+        if state.auto is None:
+            state.auto = AutoSchedule(options.auto_measure_steps, options.auto_memory_budget_bytes,
                                       options.auto_activation_bytes)
-        auto = STATE.auto
+        auto = state.auto
         options, extra_options = auto.options_for_step(options, models, pp_group)
     schedule = schedule_for(options, p, num_microbatches, len(models), forward_only, config,
                             extra_options)
@@ -287,7 +305,7 @@ def forward_backward_pipelining(
     recv_shape = None if variable else tuple(shapes[0])
     pipeline_dtype = config.pipeline_dtype or torch.float32
     transport = _transport_for(pp_group)
-    _first_step_checks(options, schedule, pp_group, rank, forward_only, recv_shape,
+    _first_step_checks(state, options, schedule, pp_group, rank, forward_only, recv_shape,
                        pipeline_dtype, variable, transport.device)
 
     embedding_module = None
@@ -301,7 +319,7 @@ def forward_backward_pipelining(
     if schedule.uses_split_backward():
         from ..runtime.wgrad import WeightGradSplit
 
-        weight_split = WeightGradSplit(models)
+        weight_split = WeightGradSplit(models)  # defers linear wgrads only while the step runs
     work = MegatronStageWork(
         schedule=schedule, rank=rank, forward_step_func=forward_step_func,
         data_iterators=iterators, model_chunks=models, num_microbatches=num_microbatches,
@@ -311,15 +329,20 @@ def forward_backward_pipelining(
         weight_split=weight_split,
     )
     grad_sync.start()
-    timeout = options.first_timeout_s if STATE.steps_run == 0 else options.p2p_timeout_s
+    timeout = options.first_timeout_s if state.steps_run == 0 else options.p2p_timeout_s
     executor = Executor(schedule, rank, transport, work, recv_shape=recv_shape,
                         dtype=pipeline_dtype,
                         device=transport.device, timeout_s=timeout, variable_shapes=variable,
-                        trace=options.trace, timers=config.timers)
+                        trace=options.trace, timers=config.timers,
+                        incoming=state.incoming(schedule, rank))
     measuring = auto is not None and auto.measuring and not forward_only
     memory_probe = device_helper.start_memory_probe(transport.device) if measuring else None
     try:
-        result = executor.run()
+        if weight_split is not None:
+            with weight_split.deferring():
+                result = executor.run()
+        else:
+            result = executor.run()
     except PipelineTimeoutError as exc:
         agreement.explain_failure(exc, pp_group, rank)  # tell the peers, hear theirs
         raise
@@ -338,29 +361,46 @@ def forward_backward_pipelining(
     if config.timers is not None:
         config.timers("forward-backward").stop()
     if options.trace:
-        _trace_step(result, schedule, rank, pp_group, transport.device, config)
+        _trace_step(state, result, schedule, rank, pp_group, transport.device, config)
     if measuring:
         memory = device_helper.finish_memory_probe(transport.device, memory_probe,
                                                    result.peak_activations)
         auto.after_step(result, schedule, pp_group, memory)
 
-    STATE.last_step, STATE.last_schedule = result, schedule
-    STATE.steps_run += 1
+    state.last_step, state.last_schedule = result, schedule
+    state.steps_run += 1
     if needs_relay(schedule):
         return relay_losses(work.forward_data_store, schedule, rank, pp_group, transport.device)
     return work.forward_data_store if last_stage_here else []
 
 
 class ScheduleFunction:
-    """A ``forward_backward_func`` bound to given options (picklable: usable as a spawn
-    target's argument, and for running schedules side by side without install())."""
+    """A ``forward_backward_func`` (Megatron's keyword signature) bound to given options, with
+    its own ``state``. Picklable (the options travel, the state starts afresh): usable as a
+    spawn target's argument, and for running schedules side by side without install()."""
 
-    def __init__(self, schedule: str = "1f1b", **options):
+    def __init__(self, schedule: str | None = "1f1b", **options):
         self.options = PipelineOptions.from_kwargs(schedule, **options)
+        self.state = RunState(options=self.options)
+
+    def set_options(self, options: PipelineOptions) -> None:
+        """Switch to ``options``; a change starts afresh (see ``RunState.activate``)."""
+        self.options = options
+        self.state.activate(options)
 
     def __call__(self, **kwargs):
-        STATE.activate(self.options)
-        return forward_backward_pipelining(**kwargs)
+        return run_step(self.state, **kwargs)
+
+    @property
+    def __name__(self) -> str:  # code that names the function it got (logs) sees which
+        return f"ScheduleFunction({self.options.schedule!r})"
+
+    def __getstate__(self) -> dict:
+        return {"options": self.options}
+
+    def __setstate__(self, values: dict) -> None:
+        self.options = values["options"]
+        self.state = RunState(options=self.options)
 
     def __repr__(self) -> str:
         return f"ScheduleFunction({self.options.schedule!r})"

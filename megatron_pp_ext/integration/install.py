@@ -4,57 +4,109 @@ Megatron picks its schedule in ``schedules.get_forward_backward_func`` by lookin
 ``forward_backward_pipelining_without_interleaving`` / ``..._with_interleaving`` among that
 module's globals, and ``megatron.training.training`` binds ``get_forward_backward_func`` at
 import time. So we replace the two pipelined schedule functions wherever they are bound
-(every loaded ``megatron`` module): every caller of ``get_forward_backward_func()`` then gets
-ours whenever pp > 1, and Megatron's own ``forward_backward_no_pipelining`` at pp = 1.
+(every loaded ``megatron`` module) with the installation's ``ScheduleFunction``: every caller
+of ``get_forward_backward_func()`` then gets ours whenever pp > 1, and Megatron's own
+``forward_backward_no_pipelining`` at pp = 1.
+
+Everything one installation changes or remembers lives on the ``Installation`` that
+``install()`` returns: the function Megatron now calls (with its run state), and the
+attributes it replaced, which ``uninstall()`` puts back. The only process-wide patch of the
+split-backward schedules (Megatron's linear-layer backward) is entered and left by each step
+itself (``runtime.wgrad.deferring_linear_backward``), so none outlives a step.
 """
 
 from __future__ import annotations
 
 import sys
 
-from .forward_backward import STATE, forward_backward_pipelining
+from .forward_backward import RunState, ScheduleFunction
 from .options import PipelineOptions
 
 _REPLACED_NAMES = (
     "forward_backward_pipelining_without_interleaving",
     "forward_backward_pipelining_with_interleaving",
 )
-_patched: list[tuple[object, str, object]] = []  # (module, attribute, original)
 
 
-def install(schedule: str | None = None, **options) -> PipelineOptions:
+class Installation:
+    """One ``install()``: ``function`` is what Megatron's selector returns at pp > 1."""
+
+    def __init__(self, options: PipelineOptions):
+        self.function = ScheduleFunction(None)
+        self.function.set_options(options)
+        self.replaced: list[tuple[object, str, object]] = []  # (module, attribute, original)
+
+    @property
+    def options(self) -> PipelineOptions:
+        return self.function.options
+
+    @property
+    def state(self) -> RunState:
+        """What the plugin remembers between steps (last step, timeline, auto's choice)."""
+        return self.function.state
+
+    @property
+    def active(self) -> bool:
+        return bool(self.replaced)
+
+    def patch_megatron(self) -> None:
+        from megatron.core.pipeline_parallel import schedules
+
+        originals = {getattr(schedules, name) for name in _REPLACED_NAMES}
+        for module_name, module in list(sys.modules.items()):
+            if module is None or not module_name.startswith("megatron"):
+                continue
+            for name, value in list(vars(module).items()):
+                if callable(value) and any(value is original for original in originals):
+                    self.replaced.append((module, name, value))
+                    setattr(module, name, self.function)
+
+    def uninstall(self) -> None:
+        """Put every replaced name back; this installation is then inactive."""
+        global _current
+        while self.replaced:
+            module, name, original = self.replaced.pop()
+            setattr(module, name, original)
+        if _current is self:
+            _current = None
+
+    def __repr__(self) -> str:
+        return (f"Installation({self.options.schedule!r}, "
+                f"{'active' if self.active else 'inactive'})")
+
+
+_current: Installation | None = None  # which installation Megatron's names point to now
+
+
+def install(schedule: str | None = None, **options) -> Installation:
     """Run ``schedule`` (default: $MEGATRON_PP_SCHEDULE, else '1f1b') for every pipelined
     step of Megatron-Core. Options: chunks, max_pending_backward,
-    microbatch_group_size_per_vp_stage, p2p_timeout_s, first_step_timeout_s, trace."""
-    active = PipelineOptions.from_kwargs(schedule, **options)
-    STATE.activate(active)
-    if not _patched:
-        _patch_megatron()
-    return active
+    microbatch_group_size_per_vp_stage, p2p_timeout_s, first_step_timeout_s, trace.
+    Installing again switches the active installation to the new options (a change starts
+    afresh) and returns it."""
+    global _current
+    active = PipelineOptions.from_kwargs(schedule, **options)  # bad input: nothing patched
+    if _current is not None:
+        _current.function.set_options(active)
+        return _current
+    installation = Installation(active)
+    installation.patch_megatron()
+    _current = installation
+    return installation
 
 
 def uninstall() -> None:
-    """Put every replaced name back."""
-    while _patched:
-        module, name, original = _patched.pop()
-        setattr(module, name, original)
+    """Undo the active installation completely (no-op when none is active)."""
+    if _current is not None:
+        _current.uninstall()
 
 
 def installed() -> bool:
-    return bool(_patched)
+    return _current is not None and _current.active
 
 
-def _patch_megatron() -> None:
-    from megatron.core.pipeline_parallel import schedules
-
-    originals = {getattr(schedules, name) for name in _REPLACED_NAMES}
-    for module_name, module in list(sys.modules.items()):
-        if module is None or not module_name.startswith("megatron"):
-            continue
-        for name, value in list(vars(module).items()):
-            if callable(value) and any(value is original for original in originals):
-                _patched.append((module, name, value))
-                setattr(module, name, forward_backward_pipelining)
+def current_installation() -> Installation | None:
+    return _current
 
 
 def install_from_env() -> bool:

@@ -84,8 +84,11 @@ class Executor:
                  recv_shape: tuple | None, dtype: torch.dtype, device: torch.device,
                  timeout_s: float = 600.0, variable_shapes: bool = False,
                  trace: bool = False, clock: Callable[[], float] = time.perf_counter,
-                 timers=None):
+                 timers=None, incoming: dict[int, list[Message]] | None = None):
         self.schedule, self.rank, self.transport, self.work = schedule, rank, transport, work
+        # What each peer sends this rank, in its order (a caller running many steps of one
+        # schedule passes it in, derived once).
+        self.incoming = incoming if incoming is not None else incoming_messages(schedule, rank)
         self.recv_shape, self.dtype, self.device = recv_shape, dtype, device
         self.timeout_s, self.variable_shapes = timeout_s, variable_shapes
         self.trace, self.clock = trace, clock
@@ -109,7 +112,7 @@ class Executor:
         self._calls = collections.Counter()
         self._local: dict[tuple, object] = {}  # tensors handed between stages of this rank
         self._unsent: list[tuple] = []  # (send handle, output, message) until the send is done
-        self._inbox = Inbox(incoming_messages(self.schedule, self.rank))
+        self._inbox = Inbox(self.incoming)
         self._held = self._peak = 0
         begin = getattr(self.work, "begin", None)
         i = 0

@@ -76,18 +76,15 @@ def call_name(send: Message | None, recv: Message | None) -> str:
 
 def incoming_messages(schedule: Schedule, rank: int) -> dict[int, list[Message]]:
     """Per peer, the messages it sends to ``rank``, in the order it sends them."""
-    cache = schedule.__dict__.setdefault("_incoming_messages", {})
-    if rank not in cache:
-        incoming: dict[int, list[Message]] = collections.defaultdict(list)
-        for peer in range(schedule.num_ranks):
-            if peer == rank:
-                continue
-            for plan in comm_plan(schedule, peer):
-                if plan.send is not None and plan.send.peer == rank:
-                    incoming[peer].append(Message(peer, plan.send.carries, plan.send.stage,
-                                                  plan.send.microbatch))
-        cache[rank] = dict(incoming)
-    return cache[rank]
+    incoming: dict[int, list[Message]] = collections.defaultdict(list)
+    for peer in range(schedule.num_ranks):
+        if peer == rank:
+            continue
+        for plan in comm_plan(schedule, peer):
+            if plan.send is not None and plan.send.peer == rank:
+                incoming[peer].append(Message(peer, plan.send.carries, plan.send.stage,
+                                              plan.send.microbatch))
+    return dict(incoming)
 
 
 class Inbox:

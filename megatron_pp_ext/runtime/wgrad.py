@@ -31,7 +31,9 @@ from ..ir import Action
 
 _capture = threading.local()  # .queue: the list the running I appends its W tasks to
 _patch_lock = threading.Lock()
-_original_backward = None
+_patch_users = 0  # split-backward steps running now (threads of one process may overlap)
+_original_backward = None  # the linear layer's own backward, to call where we cannot split
+_original_attribute = None  # the class attribute as it was (a staticmethod), to put back
 _SCANNED = "_megatron_pp_ext_te_wgrad_modules"  # set on a model chunk once it was scanned
 
 
@@ -85,14 +87,27 @@ def _num_forward_inputs() -> int:  # read once: backward of every linear layer a
     return len(inspect.signature(_linear_function().forward).parameters) - 1  # minus ctx
 
 
-def _patch_linear_backward() -> None:
-    global _original_backward
+@contextlib.contextmanager
+def deferring_linear_backward():
+    """Megatron's linear layers defer their weight-gradient GEMM while this is entered (by a
+    split-backward step); once the last such step leaves, the class's own backward is back,
+    so nothing outside a step (Megatron's own schedules, a user's backward) ever sees ours."""
+    global _patch_users, _original_backward, _original_attribute
     with _patch_lock:
-        if _original_backward is not None:
-            return
-        function = _linear_function()
-        _original_backward = function.backward
-        function.backward = staticmethod(_deferring_backward)
+        if _patch_users == 0:
+            function = _linear_function()
+            _original_attribute = function.__dict__["backward"]
+            _original_backward = function.backward
+            function.backward = staticmethod(_deferring_backward)
+        _patch_users += 1
+    try:
+        yield
+    finally:
+        with _patch_lock:
+            _patch_users -= 1
+            if _patch_users == 0:
+                _linear_function().backward = _original_attribute
+                _original_backward = _original_attribute = None
 
 
 def _te_delayed_modules(model_chunk) -> list:
@@ -106,7 +121,6 @@ class WeightGradSplit:
     """Per-rank queue of deferred weight gradients, keyed by (stage, microbatch)."""
 
     def __init__(self, model_chunks):
-        _patch_linear_backward()
         self.pending: dict[tuple, list[WeightGradTask]] = collections.defaultdict(list)
         # A walk over every module: once per model chunk (remembered on it), not per step.
         fresh = [chunk for chunk in model_chunks if not hasattr(chunk, _SCANNED)]
@@ -143,6 +157,10 @@ class WeightGradSplit:
                 "megatron_pp_ext: I/W split cannot defer the weight gradients of "
                 f"{', '.join(foreign)}: they are computed in I (full backward), not in W",
                 stacklevel=3)
+
+    def deferring(self):
+        """Enter around the whole step: I defers, W computes (see deferring_linear_backward)."""
+        return deferring_linear_backward()
 
     @contextlib.contextmanager
     def capturing(self, action: Action):

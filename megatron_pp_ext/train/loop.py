@@ -43,7 +43,6 @@ def train_rank(rank: int, world_size: int, settings: TrainSettings, launcher: st
 
     import megatron_pp_ext
     from megatron_pp_ext.models.tiny_gpt import forward_step_func
-    from megatron_pp_ext.integration.forward_backward import STATE
 
     # Megatron-Core 0.19.2 logs that GPTModel is deprecated in favour of HybridModel: known.
     logging.getLogger("megatron.core.models.gpt.gpt_model").setLevel(logging.ERROR)
@@ -57,8 +56,9 @@ def train_rank(rank: int, world_size: int, settings: TrainSettings, launcher: st
     dp_size = parallel_state.get_data_parallel_world_size()
     dp_rank = parallel_state.get_data_parallel_rank()
     last_pipeline_rank = pp_group.rank() == pp_group.size() - 1
-    megatron_pp_ext.install(schedule=settings.schedule, trace=settings.trace,
-                            p2p_timeout_s=settings.p2p_timeout_s)
+    installation = megatron_pp_ext.install(schedule=settings.schedule, trace=settings.trace,
+                                           p2p_timeout_s=settings.p2p_timeout_s)
+    state = installation.state
 
     progress = Progress(settings.steps) if talk else None
     if talk:
@@ -99,9 +99,9 @@ def train_rank(rank: int, world_size: int, settings: TrainSettings, launcher: st
         step_times.append(time.perf_counter() - t0)
 
         loss = _mean_loss(outputs, last_pipeline_rank, dp_size, device)
-        if talk and step == 0 and STATE.auto is not None and STATE.auto.choice is not None:
-            progress.message(f"auto: {STATE.auto.choice.reason}")
-        measurement = (gather_step(STATE, pp_group, settings.trace) if settings.pp > 1
+        if talk and step == 0 and state.auto is not None and state.auto.choice is not None:
+            progress.message(f"auto: {state.auto.choice.reason}")
+        measurement = (gather_step(state, pp_group, settings.trace) if settings.pp > 1
                        else StepMeasurement([1], None))
         if not talk:
             continue
@@ -121,10 +121,10 @@ def train_rank(rank: int, world_size: int, settings: TrainSettings, launcher: st
     if not talk:
         return None
     progress.close()
-    schedule = STATE.last_schedule
+    schedule = state.last_schedule
     summary = {
         "schedule": settings.schedule,
-        "auto_choice": STATE.auto.choice.schedule if STATE.auto and STATE.auto.choice else None,
+        "auto_choice": state.auto.choice.schedule if state.auto and state.auto.choice else None,
         "pp": settings.pp,
         "microbatches": settings.microbatches,
         "chunks": settings.v,

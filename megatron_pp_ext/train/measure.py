@@ -2,9 +2,9 @@
 measured timeline and the simulator's prediction for it.
 
 With ``install(trace=True)`` the drop-in gathers every pipeline rank's trace after each step
-into ``STATE.last_timeline`` on pipeline rank 0, beside ``STATE.last_predicted`` (the
+into ``state.last_timeline`` on pipeline rank 0, beside ``state.last_predicted`` (the
 simulator with the measured action costs and message latency; ``runtime/trace.py``). Without
-tracing only the peaks are collected here, from each rank's ``STATE.last_step``.
+tracing only the peaks are collected here, from each rank's ``state.last_step``.
 """
 
 from __future__ import annotations

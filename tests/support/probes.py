@@ -216,14 +216,14 @@ def auto_steps(rank: int, world_size: int, pp: int, steps: int = 3, layout: str 
     """``steps`` steps with ``schedule="auto"`` (each on a fresh model with the same weights
     and data), then the fixed 1f1b step; returns each step's result and auto's choice."""
     from support.reference import run_step
-    from megatron_pp_ext.integration.forward_backward import STATE, ScheduleFunction
+    from megatron_pp_ext.integration.forward_backward import ScheduleFunction
 
     auto = ScheduleFunction("auto")
     results, schedules = [], []
     for _ in range(steps):
         results.append(run_step(rank, world_size, auto, pp=pp, layout=layout, **run_kwargs))
-        schedules.append(STATE.last_schedule.name)
-    choice = STATE.auto.choice
+        schedules.append(auto.state.last_schedule.name)
+    choice = auto.state.auto.choice
     fixed = "zb-v" if layout == "v" else "1f1b"
     reference = run_step(rank, world_size, ScheduleFunction(fixed), pp=pp, layout=layout,
                          **run_kwargs)
