@@ -29,15 +29,18 @@ def median_of(repeats: int, work, clock=time.perf_counter) -> float:
     return statistics.median(times)
 
 
-def wall_and_cpu(repeats: int, work) -> tuple[float, float]:
+def wall_and_cpu(repeats: int, work, spread: dict | None = None) -> tuple[float, float]:
     """Median wall seconds and median CPU seconds of this process (what other work on a
-    shared machine does not inflate) over the same ``repeats`` runs."""
+    shared machine does not inflate) over the same ``repeats`` runs; ``spread``, if given,
+    receives every run's (wall, CPU) under "wall" and "cpu"."""
     wall, cpu = [], []
     for _ in range(repeats):
         start, start_cpu = time.perf_counter(), time.process_time()
         work()
         cpu.append(time.process_time() - start_cpu)
         wall.append(time.perf_counter() - start)
+    if spread is not None:
+        spread.update(wall=wall, cpu=cpu)
     return statistics.median(wall), statistics.median(cpu)
 
 
@@ -57,16 +60,17 @@ def measure(p: int, m: int, repeats: int = 3, names=None) -> list[dict]:
             row["note"] = " ".join(str(exc).split())
             continue
         row["actions"] = sum(len(r) for r in schedule.actions)
+        row["validate_rounds"], row["simulate_rounds"] = {}, {}
         try:
             row["validate_s"], row["validate_cpu_s"] = wall_and_cpu(
-                repeats, lambda: validate_schedule(schedule))
+                repeats, lambda: validate_schedule(schedule), row["validate_rounds"])
         except ScheduleError as exc:  # still worth timing how fast it says so
             row["validate_s"] = median_of(1, lambda: _rejects(schedule))
             row["note"] = f"invalid: {' '.join(str(exc).split())[:60]}..."
             continue
         timeline = simulate(schedule, validate=False)
         row["simulate_s"], row["simulate_cpu_s"] = wall_and_cpu(
-            repeats, lambda: simulate(schedule, validate=False))
+            repeats, lambda: simulate(schedule, validate=False), row["simulate_rounds"])
         row["bubble"] = timeline.bubble_fraction
     return rows
 

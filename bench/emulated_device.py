@@ -25,11 +25,13 @@ soon as its own part of the previous one is done), ``b2b_reps`` rounds in rotati
 steady-state time per step is ``(E_k - E_1) / (k - 1)``, ``E_j`` the time the last rank
 finishes step ``j``; the median over the rounds.
 
-Predictions: ``simulate`` with the same costs and ``t_comm`` = half the mean round trip of
-an activation-sized message over gloo between two ranks: one value per tree, used for every
-schedule, from ping-pongs sampled at the start and before every round (so under the same
-load as the steps; the mean, as a step sums many hops); the back-to-back prediction simulates the ``k`` steps as one concatenated schedule and
-applies the same ``(E_k - E_1) / (k - 1)``.
+Predictions (``bench.calibration``): ``simulate`` with the same costs and ``t_comm``,
+``post`` and ``t_overhead`` taken from a separate calibration tree (1F1B alone at one m), never
+from the tree being judged. ``t_comm`` is half the mean round trip of an activation-sized
+message over gloo between two ranks, from ping-pongs sampled at the start and before every
+round (so under the same load as the steps; the mean, as a step sums many hops). The
+back-to-back prediction simulates the ``k`` steps as one concatenated schedule and applies the
+same ``(E_k - E_1) / (k - 1)``.
 """
 
 from __future__ import annotations
@@ -382,31 +384,20 @@ def predict(name: str, v: int, p: int, m: int, t: float, t_comm: float, post: fl
 
 
 def summarize(per_rank: list[dict], setup: Setup) -> dict:
-    """Median step times, ratios and predictions from one tree's per-rank timings."""
+    """Step times, per-round ratios to 1F1B and this tree's ping-pong figures from one tree's
+    per-rank timings. Predictions are attached later (``bench.calibration.apply``), with
+    numbers taken from a different run."""
     p, t = len(per_rank), setup.t
     # the mean, not the median: a step sums many hops, so their expected time is what counts
     trips = [trip for trip, _ in per_rank[0]["rtt"]] or [0.0]
     posts = [post for _, post in per_rank[0]["rtt"]] or [0.0]
     rtt, post = statistics.fmean(trips), statistics.fmean(posts)
-    t_comm = rtt / 2
-    specs = {label: (name, v) for label, name, v in PLUGIN}
-    specs.update({label: pred for label, _, _, pred in MEGATRON})
     rows = []
     for (m, label) in per_rank[0]["steps"]:
         runs = zip(*(r["steps"][(m, label)] for r in per_rank))
         times = [max(end for _, end in run) - min(start for start, _ in run) for run in runs]
-        name, v = specs[label]
-        rows.append({"p": p, "m": m, "schedule": label, "v": v,
-                     "times": times, "median": statistics.median(times),
-                     "predicted": predict(name, v, p, m, t, t_comm)["makespan"],
-                     "predicted_post": predict(name, v, p, m, t, t_comm, post)["makespan"]})
-    for row in rows:
-        base = next(r for r in rows if r["m"] == row["m"] and r["schedule"] == "1f1b")
-        # ratio per round (same round = measured side by side), then the median
-        row["vs_1f1b"] = statistics.median(a / b for a, b in zip(row["times"], base["times"]))
-        row["vs_predicted"] = row["median"] / row["predicted"]
-        row["vs_predicted_post"] = row["median"] / row["predicted_post"]
-        row["zero_bubble_limit"] = row["m"] * 3 * t
+        rows.append({"p": p, "m": m, "schedule": label, "v": _v_of(label), "times": times,
+                     "median": statistics.median(times), "zero_bubble_limit": m * 3 * t})
     b2b = []
     k = setup.k_steps
     for (m, label), rounds in per_rank[0]["b2b"].items():
@@ -414,22 +405,29 @@ def summarize(per_rank: list[dict], setup: Setup) -> dict:
         for j in range(len(rounds)):
             ends = [max(r["b2b"][(m, label)][j][1][i] for r in per_rank) for i in range(k)]
             periods.append((ends[-1] - ends[0]) / (k - 1))
-        name, v = specs[label]
-        pred = predict(name, v, p, m, t, t_comm, k=k)
-        pred_post = predict(name, v, p, m, t, t_comm, post, k=k)
-        b2b.append({"p": p, "m": m, "schedule": label, "v": v, "periods": periods,
-                    "period": statistics.median(periods), "predicted": pred["period"],
-                    "predicted_post": pred_post["period"],
-                    "single_step_predicted": pred["makespan"]})
-    for row in b2b:
-        base = next(r for r in b2b if r["m"] == row["m"] and r["schedule"] == "1f1b")
-        row["vs_1f1b"] = statistics.median(a / b for a, b in zip(row["periods"],
-                                                                  base["periods"]))
-        row["vs_predicted"] = row["period"] / row["predicted"]
-        row["vs_predicted_post"] = row["period"] / row["predicted_post"]
+        b2b.append({"p": p, "m": m, "schedule": label, "v": _v_of(label), "periods": periods,
+                    "period": statistics.median(periods)})
+    _ratios_to_1f1b(rows, "times")
+    _ratios_to_1f1b(b2b, "periods")
     return {"p": p, "t": t, "rtt": rtt, "rtt_median": statistics.median(trips), "post": post,
-            "t_comm": t_comm, "reniced": all(r["reniced"] for r in per_rank), "rows": rows,
+            "t_comm": rtt / 2, "reniced": all(r["reniced"] for r in per_rank), "rows": rows,
             "back_to_back": b2b}
+
+
+def _v_of(label: str) -> int:
+    chunks = {label: v for label, _, v in PLUGIN}
+    chunks.update({label: v for label, _, v, _ in MEGATRON})
+    return chunks[label]
+
+
+def _ratios_to_1f1b(rows: list, key: str) -> None:
+    """Per round (same round = measured side by side) ratio to the plugin's 1f1b, and its
+    median; nothing where the tree did not run 1f1b at that m."""
+    for row in rows:
+        base = next((r for r in rows if r["m"] == row["m"] and r["schedule"] == "1f1b"), None)
+        if base is not None:
+            row["vs_1f1b_rounds"] = [a / b for a, b in zip(row[key], base[key])]
+            row["vs_1f1b"] = statistics.median(row["vs_1f1b_rounds"])
 
 
 def run(p: int, ms, t: float = 0.020, reps: int = 5, back_to_back_ms=(), k_steps: int = 4,
@@ -440,5 +438,9 @@ def run(p: int, ms, t: float = 0.020, reps: int = 5, back_to_back_ms=(), k_steps
     setup = Setup(p=p, ms=tuple(ms), t=t, reps=reps, k_steps=k_steps, b2b_reps=b2b_reps,
                   back_to_back_ms=tuple(back_to_back_ms), megatron=megatron, niceness=niceness,
                   only=tuple(only))
+    from bench.provenance import utc_now
+
+    started = utc_now()
     per_rank = spawn(p, tree, setup, timeout_s=timeout_s)
-    return summarize(per_rank, setup)
+    return {**summarize(per_rank, setup), "utc_start": started, "utc_end": utc_now(),
+            "reps": reps}

@@ -1,8 +1,8 @@
 """Bench (c): what the Executor costs per action when the stages do nothing.
 
-Three settings, each figure the median over repeated steps, in microseconds per action, as
-wall time and (where one process runs it all) as CPU time, which other work on a shared
-machine does not inflate:
+Three settings, each figure the median over repeated steps (every repeat kept, for the
+spread), in microseconds per action, as wall time and (where one process runs it all) as CPU
+time, which other work on a shared machine does not inflate:
 
 * ``instant``: one rank's action list of a p-rank schedule, run alone against a transport
   whose sends complete at once and whose receives return a ready tensor: the executor's own
@@ -72,6 +72,13 @@ class InstantTransport:
                 _Done(self.tensor.clone()) if recv is not None else None)
 
 
+def per_action(wall: list, cpu: list, actions: int) -> dict:
+    """Medians and every repeat (for the spread), in microseconds per action."""
+    return {"us_per_action": 1e6 * statistics.median(wall),
+            "cpu_us_per_action": 1e6 * statistics.median(cpu), "actions": actions,
+            "us_rounds": [1e6 * x for x in wall], "cpu_us_rounds": [1e6 * x for x in cpu]}
+
+
 def _executor(schedule, rank, transport):
     from megatron_pp_ext.runtime.executor import Executor
 
@@ -90,8 +97,7 @@ def instant(name: str, p: int, m: int, v: int, reps: int = 20) -> dict:
             _executor(schedule, rank, InstantTransport()).run()
         cpu.append((time.thread_time() - start_cpu) / actions)
         wall.append((time.perf_counter() - start) / actions)
-    return {"us_per_action": 1e6 * statistics.median(wall),
-            "cpu_us_per_action": 1e6 * statistics.median(cpu), "actions": actions}
+    return per_action(wall, cpu, actions)
 
 
 def in_memory(name: str, p: int, m: int, v: int, reps: int = 10) -> dict:
@@ -106,8 +112,7 @@ def in_memory(name: str, p: int, m: int, v: int, reps: int = 10) -> dict:
         run_ranks_in_threads(p, lambda rank, transport: _executor(schedule, rank, transport).run())
         cpu.append((time.process_time() - start_cpu) / actions)
         wall.append((time.perf_counter() - start) / actions)
-    return {"us_per_action": 1e6 * statistics.median(wall),
-            "cpu_us_per_action": 1e6 * statistics.median(cpu), "actions": actions}
+    return per_action(wall, cpu, actions)
 
 
 def _gloo_tree(rank: int, world: int, cases, reps: int) -> dict:
@@ -141,6 +146,7 @@ def gloo(cases, p: int, reps: int = 10, timeout_s: float = 300) -> dict:
         walls = [max(e for _, e in run) - min(s for s, _ in run)
                  for run in zip(*(r[(name, m, v)] for r in per_rank))]
         out[(name, m, v)] = {"us_per_action": 1e6 * statistics.median(walls) / per_rank_actions,
+                             "us_rounds": [1e6 * x / per_rank_actions for x in walls],
                              "actions_per_rank": per_rank_actions}
     return out
 
@@ -160,5 +166,6 @@ def run(quick: bool = False) -> list[dict]:
     for (name, m, v), result in gloo(gloo_cases, 4, reps=5 if quick else 10).items():
         rows.append({"schedule": name, "p": 4, "m": m, "v": v, "mode": "gloo processes",
                      "us_per_action": result["us_per_action"], "cpu_us_per_action": None,
+                     "us_rounds": result["us_rounds"], "cpu_us_rounds": [],
                      "actions": result["actions_per_rank"]})
     return rows

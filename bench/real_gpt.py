@@ -4,9 +4,11 @@
 
 One process tree builds the model once and alternates the two functions step by step (the
 order flips every round), each step between two barriers; a step's time is the last rank's
-end minus the first rank's start. Reported: the median of each and the median of the
-per-round ratios. This is CPU-bound (4 ranks computing on 2 cores), so expect noise; the
-ratio of two steps taken back to back is the robust figure.
+end minus the first rank's start. ``runs`` such trees, each a fresh set of processes, one after
+the other. Reported: per run, the median step of each and the median of the per-round ratios;
+over all runs, the spread of both. This is CPU-bound (4 ranks computing on the machine's
+cores, 2 here, next to whatever else runs), so single rounds and even single runs are noisy:
+the spread, not one median, is the figure.
 """
 
 from __future__ import annotations
@@ -54,15 +56,32 @@ def tree(rank: int, world: int, m: int, steps: int) -> dict:
     return times
 
 
-def run(p: int = 4, m: int = 8, steps: int = 10, timeout_s: float = 600) -> dict:
+def run(p: int = 4, m: int = 8, steps: int = 10, runs: int = 3,
+        timeout_s: float = 600) -> dict:
+    """``runs`` fresh process trees, ``steps`` rounds each."""
+    from bench.provenance import utc_now
+
+    out = []
+    for _ in range(runs):
+        started = utc_now()
+        out.append({**one_run(spawn_tree(p, m, steps, timeout_s)), "utc_start": started,
+                    "utc_end": utc_now()})
+    return {"p": p, "m": m, "steps": steps, "runs": out}
+
+
+def spawn_tree(p: int, m: int, steps: int, timeout_s: float) -> list:
     from megatron_pp_ext.train.processes import spawn
 
-    per_rank = spawn(p, tree, m, steps, timeout_s=timeout_s)
+    return spawn(p, tree, m, steps, timeout_s=timeout_s)
+
+
+def one_run(per_rank: list) -> dict:
     times = {}
     for label in LABELS:
         runs = zip(*(r[label] for r in per_rank))
         times[label] = [max(e for _, e in run) - min(s for s, _ in run) for run in runs]
     ratios = [a / b for a, b in zip(times["plugin 1f1b"], times["megatron 1f1b"])]
-    return {"p": p, "m": m, "steps": steps, "times": times,
-            "median": {label: statistics.median(times[label]) for label in LABELS},
-            "ratio": statistics.median(ratios), "ratios": ratios}
+    medians = {label: statistics.median(times[label]) for label in LABELS}
+    return {"times": times, "median": medians, "ratios": ratios,
+            "ratio": statistics.median(ratios),
+            "ratio_of_medians": medians["plugin 1f1b"] / medians["megatron 1f1b"]}
