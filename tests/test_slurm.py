@@ -1,13 +1,19 @@
 """The SLURM scripts: shell syntax, the GPU job's Megatron-LM arguments (through Megatron's own
-parser and validation, for every schedule), and, with a running SLURM (``MEGATRON_PP_SLURM=1``,
-as ``scripts/ci_slurm.sh`` sets after ``scripts/slurm/local_cluster.sh start``), real jobs."""
+parser and validation, for every schedule), and real jobs on a running SLURM.
 
+The real jobs need SLURM: ``bash scripts/test.sh`` (the README's test command) starts a
+one-node SLURM on this machine with ``scripts/slurm/local_cluster.sh`` and stops it afterwards.
+Without a running SLURM these tests fail, saying how to start one. They find it through
+``$SLURM_CONF``, else the local cluster's ``slurm.conf`` when it exists, else SLURM's default
+configuration (a real cluster)."""
+
+import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
 import sys
-from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
@@ -16,17 +22,44 @@ REPO = Path(__file__).resolve().parents[1]
 SLURM_DIR = REPO / "scripts" / "slurm"
 CPU_JOB = SLURM_DIR / "train_cpu.sbatch"
 GPU_JOB = SLURM_DIR / "train_gpu.sbatch"
+LOCAL_CLUSTER = SLURM_DIR / "local_cluster.sh"
 SCHEDULES = ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v", "dualpipev"]
 SBATCH_TIMEOUT_S = 300
+HOW_TO_START = ("start one with `bash scripts/slurm/local_cluster.sh start` (as root; it installs "
+                "slurm-wlm and munge if missing) or run the tests with `bash scripts/test.sh`, "
+                "which starts and stops it")
 
-needs_slurm = pytest.mark.skipif(
-    os.environ.get("MEGATRON_PP_SLURM") != "1",
-    reason="needs a running SLURM: scripts/ci_slurm.sh starts one and sets MEGATRON_PP_SLURM=1",
-)
+
+def running_slurm() -> dict:
+    """The environment for sbatch (SLURM_CONF set) when a SLURM answers with a usable node;
+    otherwise the test fails, saying what is missing and how to start one."""
+    env = dict(os.environ)
+    if "SLURM_CONF" not in env:
+        local = subprocess.run(["bash", str(LOCAL_CLUSTER), "env"], capture_output=True,
+                               text=True, check=True).stdout  # export SLURM_CONF=<dir>/slurm.conf
+        conf = local.strip().split("=", 1)[1]
+        if Path(conf).is_file():
+            env["SLURM_CONF"] = conf
+    missing = [tool for tool in ("sbatch", "sinfo", "scontrol") if not shutil.which(tool)]
+    if missing:
+        pytest.fail(f"SLURM is not installed ({', '.join(missing)} not on PATH): {HOW_TO_START}",
+                    pytrace=False)
+    try:
+        info = subprocess.run(["sinfo", "-h", "-o", "%T"], env=env, capture_output=True,
+                              text=True, timeout=30)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"SLURM is not running (sinfo got no answer in 30 s): {HOW_TO_START}",
+                    pytrace=False)
+    states = info.stdout.split()
+    if info.returncode != 0 or not any(re.match(r"(idle|mixed|allocated)", s) for s in states):
+        said = " ".join((info.stdout + info.stderr).split())[:300]
+        pytest.fail(f"SLURM is not running (SLURM_CONF={env.get('SLURM_CONF', '(default)')}; "
+                    f"sinfo said: {said or 'nothing'}): {HOW_TO_START}", pytrace=False)
+    return env
 
 
 @pytest.mark.parametrize("script", ["train_cpu.sbatch", "train_gpu.sbatch", "local_cluster.sh",
-                                    "../ci_slurm.sh"])
+                                    "../ci_slurm.sh", "../test.sh"])
 def test_scripts_are_valid_bash(script):
     subprocess.run(["bash", "-n", str(SLURM_DIR / script)], check=True)
 
@@ -59,8 +92,6 @@ def test_gpu_job_refuses_sizes_that_do_not_divide():
     assert proc.returncode == 1 and "must divide" in proc.stderr
 
 
-@pytest.mark.skipif(find_spec("megatron.training") is None,
-                    reason="megatron.training is not importable")
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_gpu_job_arguments_pass_megatron_validation(monkeypatch, schedule):
     """The exact arguments train_gpu.sbatch passes, through Megatron-LM's parse_args and
@@ -97,10 +128,10 @@ def test_gpu_job_arguments_pass_megatron_validation(monkeypatch, schedule):
 
 
 def _sbatch(tmp_path, script, env_overrides, *sbatch_args):
-    """``sbatch --wait`` (under ``timeout``); returns (exit status, the job's output)."""
-    assert shutil.which("sbatch"), "MEGATRON_PP_SLURM=1 but sbatch is not on PATH"
+    """``sbatch --wait`` (under ``timeout``) on the running SLURM; returns (exit status, the
+    job's output)."""
     output = tmp_path / "job-%j.out"
-    env = dict(os.environ, REPO=str(REPO), **env_overrides)
+    env = dict(running_slurm(), REPO=str(REPO), **env_overrides)
     proc = subprocess.run(
         ["timeout", str(SBATCH_TIMEOUT_S), "sbatch", "--wait", "--parsable",
          f"--output={output}", f"--chdir={tmp_path}", *sbatch_args, str(script)],
@@ -113,31 +144,22 @@ def _sbatch(tmp_path, script, env_overrides, *sbatch_args):
     return proc.returncode, text
 
 
-def _train_cmd() -> tuple[str | None, str]:
-    """The CPU job's command and the word its output must contain: the plugin's ``train``
-    command when it exists, else ``demo`` (simulated timelines)."""
-    python = str(REPO / ".venv" / "bin" / "python")
-    has_train = subprocess.run([python, "-m", "megatron_pp_ext", "train", "--help"],
-                               capture_output=True, cwd=REPO, timeout=120).returncode == 0
-    if has_train:
-        return None, "loss"  # the sbatch's own default TRAIN_CMD
-    return f"{shlex.quote(python)} -m megatron_pp_ext demo", "bubble"
-
-
-@needs_slurm
 def test_train_cpu_job(tmp_path):
-    train_cmd, expect = _train_cmd()
-    env = dict(SCHEDULE="1f1b", PP="2", M="4", STEPS="2", OUT=str(tmp_path / "out"))
-    if train_cmd:
-        env["TRAIN_CMD"] = train_cmd
-    status, text = _sbatch(tmp_path, CPU_JOB, env)
+    """The CPU job's default command, ``python -m megatron_pp_ext train``, under SLURM."""
+    out = tmp_path / "out"
+    status, text = _sbatch(tmp_path, CPU_JOB, dict(SCHEDULE="1f1b", PP="2", M="4", STEPS="2",
+                                                   OUT=str(out)))
     assert status == 0, text[-4000:]
     assert "schedule=1f1b pp=2 microbatches=4 steps=2" in text
+    assert "-m megatron_pp_ext train --schedule 1f1b --pp 2 --microbatches 4 --steps 2" in text
     assert "train_cpu: exit 0" in text
-    assert expect in text.lower(), text[-4000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert (summary["schedule"], summary["pp"], summary["microbatches"]) == ("1f1b", 2, 4)
+    assert len(summary["losses"]) == 2
+    printed = re.findall(r"^step (\d)/2  loss +(\d+\.\d{4}) ", text, re.M)
+    assert printed == [("1", f"{summary['losses'][0]:.4f}"), ("2", f"{summary['losses'][1]:.4f}")]
 
 
-@needs_slurm
 def test_failing_job_fails_sbatch_wait(tmp_path):
     status, text = _sbatch(tmp_path, CPU_JOB, dict(TRAIN_CMD="echo about to fail; exit 7",
                                                    OUT=str(tmp_path / "out")))
@@ -145,7 +167,6 @@ def test_failing_job_fails_sbatch_wait(tmp_path):
     assert "about to fail" in text and "train_cpu: exit 7" in text
 
 
-@needs_slurm
 def test_gpu_job_script_under_slurm_finds_master(tmp_path):
     """train_gpu.sbatch inside a real (GPU-less) allocation, dry run: MASTER_ADDR is the first
     node that ``scontrol show hostnames`` lists."""
