@@ -27,6 +27,7 @@ from .messages import (
     GRADIENT,
     MEGATRON_TIMERS,
     Inbox,
+    LockstepPosting,
     Message,
     call_name,
     comm_plan,
@@ -84,11 +85,16 @@ class Executor:
                  recv_shape: tuple | None, dtype: torch.dtype, device: torch.device,
                  timeout_s: float = 600.0, variable_shapes: bool = False,
                  trace: bool = False, clock: Callable[[], float] = time.perf_counter,
-                 timers=None, incoming: dict[int, list[Message]] | None = None):
+                 timers=None, incoming: dict[int, list[Message]] | None = None,
+                 lockstep: LockstepPosting | None = None):
         self.schedule, self.rank, self.transport, self.work = schedule, rank, transport, work
         # What each peer sends this rank, in its order (a caller running many steps of one
         # schedule passes it in, derived once).
         self.incoming = incoming if incoming is not None else incoming_messages(schedule, rank)
+        # A lockstep program (NCCL, where the fusion above could hang: see lowering.py):
+        # after each action one batch with its send and every receive its peers' actions of
+        # the same round send; receive-only batches for the rounds this rank sits idle.
+        self.lockstep = lockstep
         self.recv_shape, self.dtype, self.device = recv_shape, dtype, device
         self.timeout_s, self.variable_shapes = timeout_s, variable_shapes
         self.trace, self.clock = trace, clock
@@ -120,6 +126,9 @@ class Executor:
             action = self.actions[i]
             if begin is not None:
                 begin(action)
+            if self.lockstep is not None:
+                for messages in self.lockstep.before.get(i, ()):
+                    self._post(None, None, messages)
             incoming = self._input_of(i, action)
             if self._can_overlap(i):
                 # DualPipe's overlapped F&B pair, when the model computes it in one call
@@ -200,6 +209,12 @@ class Executor:
         send = (produced, plan.send.peer) if plan.send is not None else None
         if send is not None:
             self._check_outgoing(produced, plan.send, action)
+        if self.lockstep is not None:
+            handle = self._post(send, plan.send, self.lockstep.after.get(i, []))
+            if handle is not None:
+                self._unsent.append((handle, produced, plan.send))
+            self._reap()
+            return
         # As Megatron: a send fuses with the next action's receive when they go opposite
         # ways (send_forward_recv_backward, send_backward_recv_forward); any other receive
         # is posted when its action starts.
@@ -207,7 +222,7 @@ class Executor:
         to_post = None
         if send is not None and next_recv is not None and next_recv.carries != plan.send.carries:
             to_post = self._inbox.to_post(next_recv)
-        handle = self._post(send, plan.send, to_post)
+        handle = self._post(send, plan.send, [to_post] if to_post is not None else [])
         if handle is not None:
             self._unsent.append((handle, produced, plan.send))
         if to_post is None and next_recv is not None and self.prefetch:
@@ -215,12 +230,14 @@ class Executor:
             # posted, so the peer is not held up while this rank finishes its bookkeeping.
             early = self._inbox.to_post(next_recv)
             if early is not None:
-                self._post(None, None, early)
+                self._post(None, None, [early])
         self._reap()
 
     def _can_overlap(self, i: int) -> bool:
         if not self.overlap or i + 1 >= len(self.actions):
             return False
+        if self.lockstep is not None and self.lockstep.before.get(i + 1):
+            return False  # the pair would post a later round's receives before this send
         first, second = self.actions[i], self.actions[i + 1]
         if first.kind != FORWARD or second.kind not in (BACKWARD, BACKWARD_INPUT) \
                 or first.stage == second.stage:
@@ -258,39 +275,44 @@ class Executor:
                 "config.variable_seq_lengths=True when microbatches differ in length"
             )
 
-    def _post(self, send, send_message: Message | None, recv: Message | None):
-        """One call for a send and/or a receive; returns the send's handle."""
-        if send is None and recv is None:
+    def _post(self, send, send_message: Message | None, recvs: list[Message]):
+        """One call (one batch) for a send and/or receives; returns the send's handle."""
+        if send is None and not recvs:
             return None
-        name = call_name(send_message if send is not None else None, recv)
+        name = call_name(send_message if send is not None else None, *recvs)
         self._calls[name] += 1
-        if self.timers is not None:
-            self.timers(MEGATRON_TIMERS[name], log_level=2).start()
-        request = None
-        if recv is not None:
-            request = RecvRequest(recv.peer, self.recv_shape, self.dtype, self.device)
+        timer = MEGATRON_TIMERS.get(name) if self.timers is not None else None
+        if timer is not None:
+            self.timers(timer, log_level=2).start()
+        requests = [RecvRequest(m.peer, self.recv_shape, self.dtype, self.device)
+                    for m in recvs]
         try:
-            send_handle, recv_handle = self.transport.exchange(send, request,
-                                                               self.variable_shapes)
+            if len(requests) <= 1:
+                send_handle, recv_handle = self.transport.exchange(
+                    send, requests[0] if requests else None, self.variable_shapes)
+                recv_handles = [recv_handle] if requests else []
+            else:
+                send_handle, recv_handles = self.transport.exchange_many(
+                    send, requests, self.variable_shapes)
         except RuntimeError as exc:
-            peer = recv.peer if recv is not None else send[1]
+            peer = recvs[0].peer if recvs else send[1]
             self._raise_if_lost(exc, peer, f"posting {name} (rank {peer})", 0.0)
             raise
-        if recv is not None:
-            self._inbox.posted(recv, recv_handle)
-            if self.timers is not None:
-                self.open_timers[recv] = MEGATRON_TIMERS[name]
-        elif self.timers is not None:
-            self.timers(MEGATRON_TIMERS[name]).stop()
+        for message, handle in zip(recvs, recv_handles):
+            self._inbox.posted(message, handle)
+            if timer is not None:
+                self.open_timers[message] = timer
+        if timer is not None and not recvs:
+            self.timers(timer).stop()
         return send_handle
 
     def _take(self, needed: Message, action: Action):
         """The tensor ``action`` needs; earlier messages from the same peer land in the stash."""
         inbox = self._inbox
         while needed not in inbox.stash:
-            if needed.peer not in inbox.in_flight:
-                self._post(None, None, inbox.next_from(needed.peer))
-            message, handle = inbox.in_flight.pop(needed.peer)
+            if not inbox.in_flight[needed.peer]:
+                self._post(None, None, [inbox.next_from(needed.peer)])
+            message, handle = inbox.oldest_in_flight(needed.peer)
             inbox.stash[message] = self._wait(handle, message, action)
             if message in self.open_timers:
                 self.timers(self.open_timers.pop(message)).stop()

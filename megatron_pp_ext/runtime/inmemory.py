@@ -9,12 +9,23 @@ from .transport import InMemoryFabric
 
 
 def run_ranks_in_threads(world_size: int, rank_fn: Callable[[int, object], object],
-                         timeout_s: float = 60.0) -> list:
+                         timeout_s: float = 60.0, fabric=None) -> list:
     """Call ``rank_fn(rank, transport)`` on one thread per rank; return their results.
 
-    If a rank fails, its peers are told to stop waiting and the first error is raised.
+    ``fabric``: any object with ``transport(rank)`` and an ``abort`` event (default: the
+    buffering ``InMemoryFabric``); its ``close()``, if any, is called at the end. If a rank
+    fails, its peers are told to stop waiting and the first error is raised.
     """
-    fabric = InMemoryFabric(world_size)
+    fabric = fabric if fabric is not None else InMemoryFabric(world_size)
+    try:
+        return _run(world_size, rank_fn, timeout_s, fabric)
+    finally:
+        close = getattr(fabric, "close", None)
+        if close is not None:
+            close()
+
+
+def _run(world_size: int, rank_fn, timeout_s: float, fabric) -> list:
     results: list = [None] * world_size
     errors: list = [None] * world_size
 

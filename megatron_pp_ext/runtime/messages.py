@@ -64,37 +64,45 @@ MEGATRON_TIMERS = {
 }
 
 
-def call_name(send: Message | None, recv: Message | None) -> str:
-    """Megatron's name for a send and/or receive issued together."""
+def call_name(send: Message | None, *recvs: Message) -> str:
+    """Megatron's name for a send and/or receive issued together (one batch)."""
     parts = []
     if send is not None:
         parts.append(f"send_{send.carries}")
-    if recv is not None:
-        parts.append(f"recv_{recv.carries}")
+    parts.extend(f"recv_{recv.carries}" for recv in recvs)
     return "_".join(parts)
 
 
 def incoming_messages(schedule: Schedule, rank: int) -> dict[int, list[Message]]:
     """Per peer, the messages it sends to ``rank``, in the order it sends them."""
-    incoming: dict[int, list[Message]] = collections.defaultdict(list)
+    return sent_to_each_rank(schedule)[rank]
+
+
+def sent_to_each_rank(schedule: Schedule,
+                      rounds: list[list[int]] | None = None) -> list[dict[int, list]]:
+    """For every rank, per peer, the messages that peer sends it in sending order (one pass
+    over every rank's plan); with ``rounds``, each as (round of its producer, message)."""
+    incoming: list[dict[int, list]] = [collections.defaultdict(list)
+                                       for _ in range(schedule.num_ranks)]
     for peer in range(schedule.num_ranks):
-        if peer == rank:
-            continue
-        for plan in comm_plan(schedule, peer):
-            if plan.send is not None and plan.send.peer == rank:
-                incoming[peer].append(Message(peer, plan.send.carries, plan.send.stage,
-                                              plan.send.microbatch))
-    return dict(incoming)
+        for i, plan in enumerate(comm_plan(schedule, peer)):
+            if plan.send is not None:
+                message = Message(peer, plan.send.carries, plan.send.stage, plan.send.microbatch)
+                item = message if rounds is None else (rounds[peer][i], message)
+                incoming[plan.send.peer][peer].append(item)
+    return [dict(per_peer) for per_peer in incoming]
 
 
 class Inbox:
     """Receives from each peer in the order that peer sends (every rank knows every action
     list), so two ranks never have to agree on one order; what arrives before it is
-    needed waits in ``stash``. At most one receive per peer is in flight."""
+    needed waits in ``stash``. Receives in flight are kept per peer in posting order (one
+    at a time, except where a lockstep program posts several ahead)."""
 
     def __init__(self, incoming: dict[int, list[Message]]):
         self.queues = {peer: collections.deque(msgs) for peer, msgs in incoming.items()}
-        self.in_flight: dict[int, tuple[Message, object]] = {}
+        self.in_flight: dict[int, collections.deque] = collections.defaultdict(
+            collections.deque)  # peer -> (message, handle), oldest first
         self.stash: dict[Message, torch.Tensor] = {}
 
     def next_from(self, peer: int) -> Message:
@@ -106,10 +114,80 @@ class Inbox:
 
     def to_post(self, needed: Message) -> Message | None:
         """What to receive now so that ``needed`` comes next (None: nothing to post)."""
-        if needed in self.stash or needed.peer in self.in_flight:
+        if needed in self.stash or self.in_flight[needed.peer]:
             return None
         return self.next_from(needed.peer)
 
     def posted(self, message: Message, handle) -> None:
+        if self.next_from(message.peer) != message:
+            raise RuntimeError(f"receive of {message} posted out of rank {message.peer}'s "
+                               "sending order")
         self.queues[message.peer].popleft()
-        self.in_flight[message.peer] = (message, handle)
+        self.in_flight[message.peer].append((message, handle))
+
+    def oldest_in_flight(self, peer: int):
+        """(message, handle) of the oldest receive posted from ``peer`` (None: none)."""
+        return self.in_flight[peer].popleft() if self.in_flight[peer] else None
+
+
+@dataclass
+class LockstepPosting:
+    """When one rank posts which receives in a lockstep program (see ``lockstep_posting``):
+    ``after[i]``: the receives posted in one batch with action i's send; ``before[i]``:
+    receive-only batches posted before action i, one per round the rank sits idle."""
+
+    after: dict[int, list[Message]]
+    before: dict[int, list[list[Message]]]
+
+
+def lockstep_rounds(schedule: Schedule) -> list[list[int]]:
+    """Per rank, the round of each action: its start when every action takes one round and
+    a message arrives for the next round (a unit-cost run). A rank's rounds increase along
+    its list, and a message's consumer runs in a later round than its producer."""
+    from ..analysis.validate import execute_in_order
+
+    free = [0] * schedule.num_ranks
+    rounds: list[list[int]] = [[] for _ in range(schedule.num_ranks)]
+
+    def run(rank, action, dependency, ready_at):
+        start = max(free[rank], ready_at or 0)
+        rounds[rank].append(start)
+        free[rank] = start + 1
+        return start + 1
+
+    execute_in_order(schedule, run)
+    return rounds
+
+
+def lockstep_posting(schedule: Schedule, rank: int,
+                     rounds: list[list[int]] | None = None) -> LockstepPosting:
+    """Every message is sent and received in the batches of the round its producer ran in,
+    and every rank posts its batches in round order: round t's batches only hold ops whose
+    partners sit in the partners' round-t batches, so under NCCL's rules (rendezvous, one
+    stream of batches per rank) round t completes once every rank has reached it, and no
+    rank needs anything of round t or later to get there. Deadlock-free by induction."""
+    return lockstep_postings(schedule, rounds)[rank]
+
+
+def lockstep_postings(schedule: Schedule,
+                      rounds: list[list[int]] | None = None) -> list[LockstepPosting]:
+    """``lockstep_posting`` of every rank, from one pass over the plans."""
+    rounds = rounds or lockstep_rounds(schedule)
+    return [_posting(rounds[rank], per_peer)
+            for rank, per_peer in enumerate(sent_to_each_rank(schedule, rounds))]
+
+
+def _posting(mine: list[int], per_peer: dict[int, list]) -> LockstepPosting:
+    by_round: dict[int, list[Message]] = collections.defaultdict(list)
+    for items in per_peer.values():
+        for produced_in, message in items:
+            by_round[produced_in].append(message)
+    after, before = {}, {}
+    for i, t in enumerate(mine):
+        earlier = mine[i - 1] if i else -1
+        idle = [by_round[r] for r in range(earlier + 1, t) if by_round.get(r)]
+        if idle:
+            before[i] = idle
+        if by_round.get(t):
+            after[i] = by_round[t]
+    return LockstepPosting(after, before)

@@ -12,6 +12,8 @@ from support.emulated import (
 )
 from megatron_pp_ext.runtime.executor import Executor
 from megatron_pp_ext.runtime.inmemory import run_ranks_in_threads
+from megatron_pp_ext.runtime.lowering import nccl_posting
+from support.nccl_fabric import NcclRulesFabric
 
 WIDTH, ROWS = 6, 3
 
@@ -37,20 +39,27 @@ class RecordingWork(EmulatedStageWork):
 
 
 def run_inmemory(schedule, delays=None, costs: EmulatedCosts | None = None, timeout_s=20.0,
-                 trace=False):
-    """Returns per rank: (StepResult, RecordingWork)."""
+                 trace=False, nccl_rules=False):
+    """Returns per rank: (StepResult, RecordingWork). ``nccl_rules``: over the fabric that
+    enforces NCCL's rules (support.nccl_fabric), posting as the executor does on NCCL."""
     weights = stage_weights(schedule.num_stages, WIDTH)
     inputs = microbatch_inputs(schedule.num_microbatches, ROWS, WIDTH)
+    fabric, posting = None, None
+    if nccl_rules:
+        fabric = NcclRulesFabric(schedule.num_ranks)
+        posting = nccl_posting(schedule)
 
     def rank_fn(rank, transport):
         delay = delays[rank] if delays else 0.0
         work = RecordingWork(schedule, rank, weights, inputs, costs=costs, delay=delay)
         executor = Executor(schedule, rank, transport, work, recv_shape=(ROWS, WIDTH),
                             dtype=torch.float64, device=torch.device("cpu"),
-                            timeout_s=timeout_s, trace=trace)
+                            timeout_s=timeout_s, trace=trace,
+                            lockstep=posting[rank] if posting else None)
         return executor.run(), work
 
-    return run_ranks_in_threads(schedule.num_ranks, rank_fn, timeout_s=timeout_s + 10)
+    return run_ranks_in_threads(schedule.num_ranks, rank_fn, timeout_s=timeout_s + 10,
+                                fabric=fabric)
 
 
 def reference_gradients(num_stages: int, num_microbatches: int):

@@ -1,0 +1,144 @@
+"""Lower a schedule into the P2P program the executor runs on NCCL: per rank, the batches it
+posts (each of Megatron's fused calls is one ``batch_isend_irecv``) and where it waits on them.
+
+The program is read off the executor itself: each rank's executor runs once against a
+recording transport on its NCCL code path (batched, no receive posted ahead), with work that
+computes nothing. What the executor posts and waits on depends only on the action lists (the
+inbox follows each sender's order; no decision reads a clock or a message's arrival), so this
+dry run is exactly what the real run will post, and ``analysis.nccl_rules`` can check it
+before any rank sends a byte.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..analysis.nccl_rules import (
+    RECV,
+    SEND,
+    Batch,
+    Compute,
+    P2POp,
+    Post,
+    Program,
+    Wait,
+    check_nccl_rules,
+)
+from ..ir import Schedule, ScheduleError
+from .executor import Executor
+from .messages import Message, call_name, lockstep_postings, sent_to_each_rank
+
+_TOKEN = torch.zeros(1)
+
+
+def _label(message: Message) -> str:
+    kind = "F" if message.carries == "forward" else "B"
+    return f"{message.carries} {message.stage}{kind}{message.microbatch}"
+
+
+class _Handle:
+    def __init__(self, recorder: "_Recorder", batch: int, tensor=None):
+        self.recorder, self.batch, self.tensor = recorder, batch, tensor
+
+    def done(self) -> bool:  # never "already done": the executor then waits where it must
+        return False
+
+    def wait(self, timeout_s: float, poll: bool = False):
+        self.recorder.steps.append(Wait(self.batch))
+        return self.tensor
+
+
+class _Recorder:
+    """A transport on its NCCL code path that records instead of communicating."""
+
+    poll = True  # NCCL: waits are polled, nothing is posted ahead
+    prefetch_receives = False
+    device = torch.device("cpu")
+
+    def __init__(self, rank: int):
+        self.rank, self.steps, self.batches = rank, [], 0
+        self.labels: tuple = (None, None)  # (send message, receive message) of the next call
+
+    def exchange(self, send, recv, variable_shapes: bool):
+        send_handle, recv_handles = self.exchange_many(
+            send, [recv] if recv is not None else [], variable_shapes)
+        return send_handle, (recv_handles[0] if recv_handles else None)
+
+    def exchange_many(self, send, recvs, variable_shapes: bool):
+        send_message, recv_messages = self.labels
+        ops = []
+        if send is not None:
+            ops.append(P2POp(SEND, send[1], _label(send_message)))
+        ops.extend(P2POp(RECV, request.peer, _label(message))
+                   for request, message in zip(recvs, recv_messages))
+        index = self.batches
+        self.batches += 1
+        self.steps.append(Post(Batch(self.rank, index, ops, call_name(
+            send_message if send is not None else None, *recv_messages))))
+        return (_Handle(self, index) if send is not None else None,
+                [_Handle(self, index, _TOKEN.clone()) for _ in recvs])
+
+
+class _NoWork:
+    def __init__(self, recorder: _Recorder):
+        self.recorder = recorder
+
+    def begin(self, action) -> None:
+        self.recorder.steps.append(Compute(str(action)))
+
+    def forward(self, action, input_tensor):
+        return _TOKEN.clone()
+
+    def backward(self, action, output_grad):
+        return _TOKEN.clone()
+
+    def weight(self, action):
+        return None
+
+    def deallocate(self, output) -> None:
+        return None
+
+
+class _LabellingExecutor(Executor):
+    def _post(self, send, send_message, recvs):
+        self.transport.labels = (send_message, list(recvs))
+        return super()._post(send, send_message, recvs)
+
+
+MEGATRON, LOCKSTEP = "megatron", "lockstep"  # the executor's two ways of posting on NCCL
+
+
+def lower(schedule: Schedule, posting: str = MEGATRON) -> Program:
+    """The executor's P2P program for ``schedule`` on NCCL (see the module docstring):
+    ``megatron`` posting fuses a send with the next receive going the other way, as
+    Megatron's 1F1B does; ``lockstep`` posts one batch per round (``lockstep_posting``)."""
+    program = Program(f"schedule {schedule.name} (p={schedule.num_ranks}, "
+                      f"m={schedule.num_microbatches}, v={schedule.chunks}, {posting} "
+                      "posting)")
+    postings = lockstep_postings(schedule) if posting == LOCKSTEP else None
+    incoming = sent_to_each_rank(schedule)
+    for rank in range(schedule.num_ranks):
+        recorder = _Recorder(rank)
+        _LabellingExecutor(schedule, rank, recorder, _NoWork(recorder), recv_shape=None,
+                           dtype=torch.float32, device=torch.device("cpu"),
+                           incoming=incoming[rank],
+                           lockstep=postings[rank] if postings else None).run()
+        program.steps.append(recorder.steps)
+    return program
+
+
+def nccl_posting(schedule: Schedule) -> dict[int, object] | None:
+    """How the executor posts ``schedule`` on NCCL: None for Megatron's fused calls where
+    NCCL's rules allow them (1F1B, GPipe, ZB-H1: every call and timer as Megatron's), else
+    each rank's lockstep posting. Raises ``ScheduleError`` (naming the ranks, the ops and
+    the cycle) if neither program passes ``check_nccl_rules``: before any byte moves."""
+    try:
+        check_nccl_rules(lower(schedule, MEGATRON))
+        return None
+    except ScheduleError:
+        pass
+    check_nccl_rules(lower(schedule, LOCKSTEP))
+    return dict(enumerate(lockstep_postings(schedule)))
+
+
+__all__ = ["MEGATRON", "LOCKSTEP", "lower", "nccl_posting"]

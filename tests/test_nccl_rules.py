@@ -1,0 +1,234 @@
+"""NCCL's rules: the checker of a lowered P2P program, the executor's two ways of posting on
+NCCL (Megatron's fused calls; lockstep rounds where those could hang), and every schedule
+executed over an in-memory fabric that enforces the rules (support/nccl_fabric.py: a mock of
+NCCL, which cannot run here: rendezvous sends, one Work per batch, one stream of batches per
+rank, data visible only after the wait)."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_pp_ext.analysis.nccl_rules import (
+    RECV,
+    SEND,
+    Batch,
+    P2POp,
+    Post,
+    Program,
+    Wait,
+    check_nccl_rules,
+)
+from megatron_pp_ext.ir import Schedule, ScheduleError
+from megatron_pp_ext.runtime.executor import Executor
+from megatron_pp_ext.runtime.inmemory import run_ranks_in_threads
+from megatron_pp_ext.runtime.lowering import LOCKSTEP, MEGATRON, lower, nccl_posting
+from megatron_pp_ext.runtime.messages import lockstep_rounds
+from megatron_pp_ext.schedules import build_schedule
+from support.emulated import microbatch_inputs, stage_weights
+from support.inmemory import ROWS, WIDTH, RecordingWork, gathered, reference_gradients, run_inmemory
+from support.nccl_fabric import NcclRulesFabric
+
+SCHEDULES = ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v", "dualpipev"]
+TWO_CHUNKS = {"interleaved", "zb-v", "dualpipev"}
+#: the schedules whose Megatron-style posting (a send fused only with a receive going the
+#: other way) can hang under NCCL's rules, so the executor posts them in lockstep rounds
+LOCKSTEP_SCHEDULES = {"interleaved", "zb-h2", "zb-v", "dualpipev"}
+PEER_CSV = Path(__file__).parent / "data" / "torch_zb1p_2rank_2stagep_compute.csv"
+
+
+def _runs_interleaved(p, m):
+    """Megatron's interleaved grouping (group size p) needs m >= p and m a multiple of p."""
+    return m >= p and m % p == 0
+
+
+def _build(name, p, m):
+    try:
+        return build_schedule(name, p, m, chunks=2 if name in TWO_CHUNKS else 1)
+    except ScheduleError as exc:  # interleaved needs m >= p and m % p in {0} or >= p
+        if name == "interleaved" and "interleaved" in str(exc):
+            return None
+        raise
+
+
+# ------------------------------------------------------------------ the checker, by hand
+def _two_ranks(first, second) -> Program:
+    """Two ranks, each posting its batches in order and waiting on each right away."""
+    program = Program("hand-made")
+    for rank, batches in enumerate((first, second)):
+        steps = []
+        for index, ops in enumerate(batches):
+            steps += [Post(Batch(rank, index, ops)), Wait(index)]
+        program.steps.append(steps)
+    return program
+
+
+def test_both_ranks_sending_first_hang_and_the_cycle_is_named():
+    program = _two_ranks(
+        [[P2POp(SEND, 1, "a")], [P2POp(RECV, 1, "b")]],
+        [[P2POp(SEND, 0, "b")], [P2POp(RECV, 0, "a")]])
+    with pytest.raises(ScheduleError) as info:
+        check_nccl_rules(program)
+    text = str(info.value)
+    assert "can hang under NCCL's rules" in text
+    assert "rank 0's host waits on its batch #0" in text
+    assert "running: send a to rank 1" in text and "running: send b to rank 0" in text
+    assert "cycle: rank 0 -> rank 1 -> rank 0" in text
+
+
+def test_the_same_messages_fused_in_one_batch_each_pass():
+    check_nccl_rules(_two_ranks(
+        [[P2POp(SEND, 1, "a"), P2POp(RECV, 1, "b")]],
+        [[P2POp(SEND, 0, "b"), P2POp(RECV, 0, "a")]]))
+
+
+def test_a_send_held_behind_an_unmatched_receive_on_its_stream_hangs():
+    # rank 0 posts a receive nobody sends yet, then (without waiting) a send: the send
+    # cannot start before the receive's batch completes, and rank 1 waits for the send.
+    program = Program("stream order")
+    program.steps = [
+        [Post(Batch(0, 0, [P2POp(RECV, 1, "late")])), Post(Batch(0, 1, [P2POp(SEND, 1, "x")])),
+         Wait(1), Wait(0)],
+        [Post(Batch(1, 0, [P2POp(RECV, 0, "x")])), Wait(0),
+         Post(Batch(1, 1, [P2POp(SEND, 0, "late")])), Wait(1)],
+    ]
+    with pytest.raises(ScheduleError, match=r"queued behind batch #0 on that rank's stream"):
+        check_nccl_rules(program)
+    # the same ops with the receive posted after the send's batch: fine
+    program.steps[0] = [Post(Batch(0, 0, [P2POp(SEND, 1, "x")])),
+                        Post(Batch(0, 1, [P2POp(RECV, 1, "late")])), Wait(0), Wait(1)]
+    check_nccl_rules(program)
+
+
+def test_messages_matched_out_of_order_are_rejected():
+    program = _two_ranks(
+        [[P2POp(SEND, 1, "a")], [P2POp(SEND, 1, "b")]],
+        [[P2POp(RECV, 0, "b")], [P2POp(RECV, 0, "a")]])
+    with pytest.raises(ScheduleError, match=r"send #0 is a .* while receive #0 expects b"):
+        check_nccl_rules(program)
+
+
+def test_an_unreceived_send_is_rejected():
+    program = _two_ranks([[P2POp(SEND, 1, "a")]], [[]])
+    with pytest.raises(ScheduleError, match="rank 0 sends 1 message.* rank 1, which receives 0"):
+        check_nccl_rules(program)
+
+
+# ------------------------------------------------------------------ the lowered programs
+@pytest.mark.parametrize("name", sorted(LOCKSTEP_SCHEDULES))
+def test_megatron_posting_of_these_schedules_can_hang_on_nccl(name):
+    schedule = _build(name, 2, 4)
+    with pytest.raises(ScheduleError, match=r"can hang under NCCL's rules(.|\n)*cycle: rank"):
+        check_nccl_rules(lower(schedule, MEGATRON))
+    check_nccl_rules(lower(schedule, LOCKSTEP))
+
+
+def test_1f1b_on_nccl_posts_exactly_megatrons_calls():
+    program = lower(build_schedule("1f1b", 4, 8), MEGATRON)
+    calls = [step.batch.call for step in program.steps[1] if isinstance(step, Post)]
+    # rank 1 of 4: warmup 2 (recv_forward, send_forward), steady 6 fused pairs, cooldown
+    assert calls[:4] == ["recv_forward", "send_forward", "recv_forward", "send_forward"]
+    assert calls[4:6] == ["recv_forward", "send_forward_recv_backward"]
+    assert "send_backward_recv_forward" in calls
+    assert calls[-2:] == ["recv_backward", "send_backward"]
+    assert nccl_posting(build_schedule("1f1b", 4, 8)) is None
+
+
+def test_every_builder_passes_nccls_rules_for_every_size():
+    """p 1..8, m 1..16 and 20, 24, 32 (v as each schedule needs): the executor's program on
+    NCCL never hangs."""
+    checked = {name: 0 for name in SCHEDULES}
+    lockstep = {name: 0 for name in SCHEDULES}
+    for name in SCHEDULES:
+        for p in range(1, 9):
+            for m in [*range(1, 17), 20, 24, 32]:
+                schedule = _build(name, p, m)
+                if schedule is None:
+                    continue
+                posting = nccl_posting(schedule)  # raises if neither program passes
+                checked[name] += 1
+                lockstep[name] += posting is not None
+    sizes = [(p, m) for p in range(1, 9) for m in [*range(1, 17), 20, 24, 32]]
+    assert checked == {**{name: len(sizes) for name in SCHEDULES},
+                       "interleaved": sum(_runs_interleaved(p, m) for p, m in sizes)}
+    # Megatron's fused calls everywhere for the one-chunk schedules without deferred W queues
+    assert lockstep["1f1b"] == lockstep["gpipe"] == lockstep["zb-h1"] == 0
+    for name in LOCKSTEP_SCHEDULES:
+        assert lockstep[name] > 0, name
+
+
+def test_pytorchs_zb1p_csv_passes_ncclss_rules():
+    schedule = Schedule.from_csv(PEER_CSV.read_text(), name="torch-zb1p",
+                                 stage_to_rank=[0, 1, 0, 1])
+    check_nccl_rules(lower(schedule, nccl_posting(schedule) and LOCKSTEP or MEGATRON))
+
+
+def test_lockstep_rounds_are_a_unit_cost_run():
+    rounds = lockstep_rounds(build_schedule("1f1b", 2, 2))
+    # rank 0: 0F0 0F1 0B0 0B1; rank 1: 1F0 1B0 1F1 1B1 (each action one round; 0B0 waits
+    # for 1B0, which ends in round 3, and 0B1 for 1B1, which ends in round 5)
+    assert rounds == [[0, 1, 3, 5], [1, 2, 3, 4]]
+
+
+# ------------------------------------------------------------------ running on NCCL's rules
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_every_schedule_runs_on_the_nccl_rules_fabric(name):
+    """p 1..8 x m 1..16 (a spread): executed order = the list, gradients = pp=1."""
+    runs, sizes = 0, [(p, m) for p in range(1, 9)
+                      for m in ((1, 2, 3, 5, 8, 16) if p <= 4 else (1, p, 16))]
+    for p, m in sizes:
+        if True:
+            schedule = _build(name, p, m)
+            if schedule is None:
+                continue
+            results = run_inmemory(schedule, nccl_rules=True, timeout_s=20)
+            for rank, (result, work) in enumerate(results):
+                assert [str(a) for a in result.executed] == [str(a) for a in
+                                                              schedule.actions[rank]]
+                assert work.computed == [str(a) for a in schedule.actions[rank]]
+            grads, losses = gathered(results)
+            want, want_losses = reference_gradients(schedule.num_stages, m)
+            for stage, grad in want.items():
+                torch.testing.assert_close(grads[stage], grad, rtol=1e-12, atol=1e-12)
+            assert [losses[mb] for mb in range(m)] == pytest.approx(want_losses, rel=1e-12)
+            runs += 1
+    assert runs == (sum(_runs_interleaved(p, m) for p, m in sizes) if name == "interleaved"
+                    else len(sizes))
+
+
+def test_random_delays_on_the_nccl_rules_fabric():
+    """60 runs, random schedule, size and per-rank delays: no hang, gradients = pp=1."""
+    rng = random.Random(11)
+    for _ in range(60):
+        name, p, m = rng.choice(SCHEDULES), rng.randint(2, 5), rng.randint(1, 9)
+        schedule = _build(name, p, m)
+        if schedule is None:
+            continue
+        delays = [rng.choice([0.0, 0.0005, 0.002]) for _ in range(p)]
+        grads, _ = gathered(run_inmemory(schedule, delays=delays, nccl_rules=True,
+                                         timeout_s=20))
+        want, _ = reference_gradients(schedule.num_stages, m)
+        for stage, grad in want.items():
+            torch.testing.assert_close(grads[stage], grad, rtol=1e-12, atol=1e-12,
+                                       msg=lambda text: f"{name} p={p} m={m}: {text}")
+
+
+def test_the_fabric_hangs_where_the_checker_says():
+    """Megatron-style posting of interleaved at p=2, m=4 over the fabric: rank 0 waits for
+    2F0's input, which rank 1 sent in a batch stuck behind its own unreceived send."""
+    schedule = _build("interleaved", 2, 4)
+    weights, inputs = stage_weights(4, WIDTH), microbatch_inputs(4, ROWS, WIDTH)
+
+    def rank_fn(rank, transport):
+        work = RecordingWork(schedule, rank, weights, inputs)
+        return Executor(schedule, rank, transport, work, recv_shape=(ROWS, WIDTH),
+                        dtype=torch.float64, device=torch.device("cpu"), timeout_s=2).run()
+
+    from megatron_pp_ext.runtime.errors import PipelineTimeoutError
+
+    with pytest.raises(PipelineTimeoutError) as info:
+        run_ranks_in_threads(2, rank_fn, timeout_s=60, fabric=NcclRulesFabric(2))
+    assert "waiting for the forward tensor of microbatch 0 from rank" in str(info.value)
