@@ -27,6 +27,6 @@ fi
 
 t=$(now)
 rc=0
-MEGATRON_PP_SLURM=1 timeout 900 .venv/bin/python -m pytest -q -rs tests/test_slurm.py "$@" || rc=$?
+timeout 900 .venv/bin/python -m pytest -q -rs tests/test_slurm.py "$@" || rc=$?
 echo "ci_slurm: tests/test_slurm.py exit $rc in $(took "$t")"
 exit "$rc"

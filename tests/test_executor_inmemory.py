@@ -65,10 +65,33 @@ def test_every_sent_output_is_deallocated():
 
 
 def test_a_silent_peer_times_out_naming_rank_peer_and_action():
+    """Rank 1 hangs in its first forward until the fabric is aborted, which only rank 0's
+    timeout does: no race between two clocks decides the outcome."""
+    from megatron_pp_ext.runtime.executor import Executor
+    from megatron_pp_ext.runtime.inmemory import run_ranks_in_threads
+    from support.emulated import microbatch_inputs, stage_weights
+    from support.inmemory import ROWS, WIDTH, RecordingWork
+
     schedule = build_schedule("1f1b", 2, 2)
-    # Rank 1 hangs (each of its actions takes 3 s); rank 0 gives up after 0.5 s.
+    weights, inputs = stage_weights(2, WIDTH), microbatch_inputs(2, ROWS, WIDTH)
+
+    class HangingWork(RecordingWork):
+        def __init__(self, abort, *args):
+            super().__init__(*args)
+            self.abort = abort
+
+        def forward(self, action, input_tensor):
+            assert self.abort.wait(120), "rank 0 never gave up"
+            return super().forward(action, input_tensor)
+
+    def rank_fn(rank, transport):
+        work = (HangingWork(transport.fabric.abort, schedule, rank, weights, inputs) if rank
+                else RecordingWork(schedule, rank, weights, inputs))
+        return Executor(schedule, rank, transport, work, recv_shape=(ROWS, WIDTH),
+                        dtype=torch.float64, device=torch.device("cpu"), timeout_s=0.5).run()
+
     with pytest.raises(PipelineTimeoutError) as info:
-        run_inmemory(schedule, delays=[0.0, 3.0], timeout_s=0.5)
+        run_ranks_in_threads(2, rank_fn, timeout_s=150)
     message = str(info.value)
     assert message.startswith("pipeline rank 0 waited")
     assert "for rank 1" in message

@@ -39,7 +39,7 @@ _PRELOAD = [
     "megatron.core.models.gpt",
     "megatron.core.pipeline_parallel.schedules",
     "megatron.core.distributed",
-    "support.reference",
+    "megatron_pp_ext.models.tiny_gpt",
 ]
 _CONTEXTS: dict[str, Any] = {}
 
