@@ -232,3 +232,21 @@ def test_the_fabric_hangs_where_the_checker_says():
     with pytest.raises(PipelineTimeoutError) as info:
         run_ranks_in_threads(2, rank_fn, timeout_s=60, fabric=NcclRulesFabric(2))
     assert "waiting for the forward tensor of microbatch 0 from rank" in str(info.value)
+
+
+def test_cli_prints_the_checked_nccl_program():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "megatron_pp_ext", "simulate", "--schedule",
+                          "1f1b", "-p", "2", "-m", "2", "--nccl-program"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("# 1f1b: megatron posting")
+    assert lines[1:] == [
+        "0F0,(0SEND_F0)BATCH#0,0F1,(0SEND_F1;0RECV_B0)BATCH#1,WAIT#1,WAIT#0,0B0,"
+        "(0RECV_B1)BATCH#2,WAIT#2,WAIT#1,0B1",
+        "(1RECV_F0)BATCH#0,WAIT#0,1F0,1B0,(1SEND_B0;1RECV_F1)BATCH#1,WAIT#1,1F1,1B1,"
+        "(1SEND_B1)BATCH#2,WAIT#1,WAIT#2",
+    ]

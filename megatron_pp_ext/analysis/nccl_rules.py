@@ -33,6 +33,7 @@ class P2POp:
     kind: str  # SEND or RECV
     peer: int  # the other rank
     label: str  # what it carries, the same text on both sides, e.g. "forward 3F2"
+    name: str = ""  # this side in torch.distributed.pipelining's words, e.g. "2SEND_F2"
 
 
 @dataclass
@@ -73,6 +74,25 @@ class Program:
 
     def batches(self, rank: int) -> list[Batch]:
         return [step.batch for step in self.steps[rank] if isinstance(step, Post)]
+
+    def to_csv(self) -> str:
+        """One row per rank in the text form of torch.distributed.pipelining's lowered
+        schedules: compute actions as they are ("2F0"), a batch of P2P ops as
+        ``(2SEND_F2;3RECV_B0)BATCH#5`` (its ops posted together, in one NCCL group; a lone
+        op is a batch of one), and ``WAIT#5`` where the host waits on batch 5."""
+        rows = []
+        for steps in self.steps:
+            cells = []
+            for step in steps:
+                if isinstance(step, Compute):
+                    cells.append(step.action)
+                elif isinstance(step, Post):
+                    names = ";".join(op.name or f"{op.kind}:{op.label}" for op in step.batch.ops)
+                    cells.append(f"({names})BATCH#{step.batch.index}")
+                else:
+                    cells.append(f"WAIT#{step.batch}")
+            rows.append(",".join(cells))
+        return "\n".join(rows) + "\n"
 
     def text(self, rank: int) -> str:
         """One line per step, e.g. ``post #3 [send forward 1F2 -> 1, recv backward 0B0 <- 1]``."""

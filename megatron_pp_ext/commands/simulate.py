@@ -61,6 +61,10 @@ def register(subparsers) -> None:
                         help="message matching to validate against: one in-order channel per "
                         "rank pair (default, NCCL) or per pair and kind (activations apart "
                         "from gradients)")
+    parser.add_argument("--nccl-program", action="store_true",
+                        help="print instead the P2P program the executor posts on NCCL (one "
+                        "row per rank: actions, (ops)BATCH#k, WAIT#k), checked against "
+                        "NCCL's rules")
     parser.set_defaults(func=run)
 
 
@@ -91,8 +95,25 @@ def make_schedule(args) -> Schedule:
                           validate=False, **options)
 
 
+def nccl_program_text(schedule: Schedule) -> str:
+    """The lowered program the executor posts on NCCL, after checking it (raises if it could
+    hang), with a first line saying which posting it uses."""
+    from ..runtime.lowering import LOCKSTEP, MEGATRON, lower, nccl_posting
+
+    posting = MEGATRON if nccl_posting(schedule) is None else LOCKSTEP
+    why = ("Megatron's fused calls pass NCCL's rules" if posting == MEGATRON else
+           "Megatron's fused calls could hang under NCCL's rules, so one batch per round")
+    return (f"# {schedule.name}: {posting} posting ({why}); checked: no hang, every pair "
+            f"matched in order\n" + lower(schedule, posting).to_csv())
+
+
 def run(args) -> int:
     schedule = make_schedule(args)
+    if args.nccl_program:
+        from ..analysis.validate import validate_schedule
+
+        validate_schedule(schedule)
+        return _write(args, nccl_program_text(schedule).rstrip("\n"))
     costs = CostModel(t_f=args.t_f, t_i=args.t_i, t_w=args.t_w, t_b=args.t_b,
                       t_comm=args.t_comm, t_overhead=args.t_overhead)
     timeline = simulate(schedule, costs, channels=args.channels)  # validates first
@@ -104,8 +125,13 @@ def run(args) -> int:
         text = render_html([timeline], title=f"{schedule.name}: predicted timeline")
     else:
         text = json.dumps(render_chrome_trace(timeline))
+    return _write(args, text)
+
+
+def _write(args, text: str) -> int:
     if args.out:
         Path(args.out).write_text(text + "\n")
+        print(f"wrote {args.out}")
     else:
         sys.stdout.write(text + "\n")
     return 0

@@ -66,9 +66,10 @@ class RunState:
     planned: set = field(default_factory=set)
     #: schedule="auto": what was measured and chosen (reset when the options change)
     auto: AutoSchedule | None = None
-    #: per (schedule, rank): the messages each peer sends this rank, derived once (the
-    #: schedule object is kept beside them, so an id is never reused while cached)
-    _incoming: dict = field(default_factory=dict, repr=False)
+    #: per schedule: what the executor derives from it once (the messages each peer sends
+    #: this rank, the NCCL posting); the schedule object is kept beside them, so an id is
+    #: never reused while cached
+    _derived_cache: dict = field(default_factory=dict, repr=False)
 
     def activate(self, options: PipelineOptions) -> None:
         """Make ``options`` the active ones; a change starts afresh: the first-step timeout
@@ -78,12 +79,25 @@ class RunState:
         self.options = options
 
     def incoming(self, schedule: Schedule, rank: int) -> dict[int, list[Message]]:
-        key = (id(schedule), rank)
-        cached = self._incoming.get(key)
+        return self._derived(("incoming", rank), schedule,
+                             lambda: incoming_messages(schedule, rank))
+
+    def nccl_posting(self, schedule: Schedule, rank: int):
+        """This rank's lockstep posting on NCCL, or None for Megatron's fused calls; the
+        lowered program is checked against NCCL's rules once per schedule (ScheduleError,
+        before any byte moves, if it could hang)."""
+        from ..runtime.lowering import nccl_posting
+
+        postings = self._derived(("nccl",), schedule, lambda: nccl_posting(schedule))
+        return None if postings is None else postings[rank]
+
+    def _derived(self, what: tuple, schedule: Schedule, derive):
+        key = (id(schedule), *what)
+        cached = self._derived_cache.get(key)
         if cached is None or cached[0] is not schedule:
-            if len(self._incoming) >= 64:
-                self._incoming.clear()
-            cached = self._incoming[key] = (schedule, incoming_messages(schedule, rank))
+            if len(self._derived_cache) >= 64:
+                self._derived_cache.clear()
+            cached = self._derived_cache[key] = (schedule, derive())
         return cached[1]
 
     def summary(self) -> str | None:
@@ -305,6 +319,9 @@ def run_step(
     recv_shape = None if variable else tuple(shapes[0])
     pipeline_dtype = config.pipeline_dtype or torch.float32
     transport = _transport_for(pp_group)
+    # NCCL: how this rank posts (checked against NCCL's rules before anything is sent)
+    lockstep = (state.nccl_posting(schedule, rank) if getattr(transport, "batched", False)
+                else None)
     _first_step_checks(state, options, schedule, pp_group, rank, forward_only, recv_shape,
                        pipeline_dtype, variable, transport.device)
 
@@ -334,7 +351,7 @@ def run_step(
                         dtype=pipeline_dtype,
                         device=transport.device, timeout_s=timeout, variable_shapes=variable,
                         trace=options.trace, timers=config.timers,
-                        incoming=state.incoming(schedule, rank))
+                        incoming=state.incoming(schedule, rank), lockstep=lockstep)
     measuring = auto is not None and auto.measuring and not forward_only
     memory_probe = device_helper.start_memory_probe(transport.device) if measuring else None
     try:

@@ -36,6 +36,16 @@ def _label(message: Message) -> str:
     return f"{message.carries} {message.stage}{kind}{message.microbatch}"
 
 
+def _torch_name(message: Message, kind: str) -> str:
+    """torch.distributed.pipelining's name of one side: SEND_F/SEND_B name the sending
+    stage, RECV_F/RECV_B the receiving one (``message.stage`` is the receiving stage)."""
+    forward = message.carries == "forward"
+    stage = message.stage
+    if kind == SEND:
+        stage += -1 if forward else 1
+    return f"{stage}{kind.upper()}_{'F' if forward else 'B'}{message.microbatch}"
+
+
 class _Handle:
     def __init__(self, recorder: "_Recorder", batch: int, tensor=None):
         self.recorder, self.batch, self.tensor = recorder, batch, tensor
@@ -68,8 +78,9 @@ class _Recorder:
         send_message, recv_messages = self.labels
         ops = []
         if send is not None:
-            ops.append(P2POp(SEND, send[1], _label(send_message)))
-        ops.extend(P2POp(RECV, request.peer, _label(message))
+            ops.append(P2POp(SEND, send[1], _label(send_message),
+                             _torch_name(send_message, SEND)))
+        ops.extend(P2POp(RECV, request.peer, _label(message), _torch_name(message, RECV))
                    for request, message in zip(recvs, recv_messages))
         index = self.batches
         self.batches += 1
@@ -83,16 +94,16 @@ class _NoWork:
     def __init__(self, recorder: _Recorder):
         self.recorder = recorder
 
-    def begin(self, action) -> None:
-        self.recorder.steps.append(Compute(str(action)))
-
     def forward(self, action, input_tensor):
+        self.recorder.steps.append(Compute(str(action)))
         return _TOKEN.clone()
 
     def backward(self, action, output_grad):
+        self.recorder.steps.append(Compute(str(action)))
         return _TOKEN.clone()
 
     def weight(self, action):
+        self.recorder.steps.append(Compute(str(action)))
         return None
 
     def deallocate(self, output) -> None:
