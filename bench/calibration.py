@@ -83,9 +83,10 @@ def error_rounds(row: dict, model: str, key: str = "times") -> list[float]:
     return [x / row["predicted"][model] for x in row[key]]
 
 
-def accuracy(trees: list, model: str) -> dict:
-    """Held-out rows within TOLERANCE of the prediction: by their median, and in every round."""
-    held = [r for tree in trees for r in tree["rows"] if r["held_out"]]
+def accuracy(trees: list, model: str, keep=lambda row: True) -> dict:
+    """Held-out rows (those ``keep`` accepts) within TOLERANCE of the prediction: by their
+    median, and in every round."""
+    held = [r for tree in trees for r in tree["rows"] if r["held_out"] and keep(r)]
     off, every_round = [], 0
     for r in held:
         ratio = r["median"] / r["predicted"][model]

@@ -147,12 +147,25 @@ def accuracy_lines(trees: list, checks: list) -> list[str]:
                 f"{100 * calibration.TOLERANCE:.0f}% ({acc['every_round']} of {acc['rows']} in "
                 f"every round); median error {100 * acc['median_error']:.1f}%, worst "
                 f"{100 * acc['worst']:.1f}%")
-        out.append(f"* {MODEL_NAMES[model]}: {text}")
+        out.append(f"* {MODEL_NAMES[model]}: {text}; {breakdown(trees, model)}")
         off = f"; off: {'; '.join(acc['off'])}" if acc["off"] else ""
         checks.append(("(a)", f"held-out schedules within {100 * calibration.TOLERANCE:.0f}% of "
                        f"the prediction, {MODEL_NAMES[model]} (from the calibration run)",
                        text + off, not acc["off"]))
     return out + [""]
+
+
+def breakdown(trees: list, model: str) -> str:
+    """Within-tolerance counts for v=1 and v=2 rows, and for rows at m other than the
+    calibration's."""
+    cal_m = {tree["p"]: tree["calibration"]["m"] for tree in trees}
+    parts = {"v=1": lambda r: r["v"] == 1, "v=2": lambda r: r["v"] == 2,
+             "m other than the calibration's": lambda r: r["m"] != cal_m[r["p"]]}
+    counts = []
+    for name, keep in parts.items():
+        acc = calibration.accuracy(trees, model, keep)
+        counts.append(f"{name} {acc['within']} of {acc['rows']}")
+    return ", ".join(counts)
 
 
 def target_checks(trees: list, checks: list) -> None:
