@@ -15,9 +15,30 @@ def cuda_available() -> bool:
 
 
 def backend_of(group=None) -> str:
+    """The backend that carries the pipeline's tensors over ``group``: "nccl", "gloo", ...
+
+    A group may hold one backend per device type: torch 2.13's ``dist.get_backend`` then
+    returns the string it was created with ("cpu:gloo,cuda:nccl"), or "undefined" when
+    ``init_process_group`` picked the backends itself. The pipeline's tensors live on the GPU
+    where this process sees one, so the GPU's backend is the one that counts there."""
     if not (dist.is_available() and dist.is_initialized()):
         return "none"
-    return str(dist.get_backend(group)).lower()
+    per_device = _backends_by_device(group)
+    if len(per_device) == 1:
+        return next(iter(per_device.values()))
+    wanted = "cuda" if cuda_available() and "cuda" in per_device else "cpu"
+    return per_device.get(wanted, next(iter(per_device.values())))
+
+
+def _backends_by_device(group=None) -> dict[str, str]:
+    """{device type: backend} of ``group``; {"*": name} for a plain single-backend name."""
+    name = str(dist.get_backend(group)).lower()
+    if name == "undefined":  # torch chose: its resolved configuration says which
+        name = str(dist.get_backend_config(group)).lower()
+    if ":" not in name:
+        return {"*": name}
+    pairs = (part.split(":", 1) for part in name.split(",") if ":" in part)
+    return {device.strip(): backend.strip() for device, backend in pairs}
 
 
 def comm_device(group=None) -> torch.device:
@@ -31,6 +52,14 @@ def waits_block_host(group=None) -> bool:
     """gloo's Work.wait() blocks the host with a timeout; NCCL's only orders streams, so
     NCCL waits are polled with is_completed() to honour a host-side timeout."""
     return backend_of(group) != "nccl"
+
+
+def p2p_batched(group=None) -> bool:
+    """Whether the pipeline's point-to-point calls take NCCL's code path over ``group``: each
+    call one ``batch_isend_irecv`` batch (one Work for all of it), waits polled, no receive
+    posted ahead. The transport asks this when it is not told; tests replace it to run
+    NCCL's code path over gloo (tests/support/nccl_rules.py)."""
+    return backend_of(group) == "nccl"
 
 
 def launcher_backend() -> str:

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from .. import device as device_helper
+from .errors import PipelineTimeoutError
 
 # dtype <-> small integer code for the shape header of variable-length messages
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32]
@@ -53,6 +54,8 @@ def decode_header(header: torch.Tensor) -> tuple[tuple, torch.dtype]:
 
 # ----------------------------------------------------------------------------- torch.distributed
 class _DistSend:
+    """A send's Works: on the batched path every Work of its batch (NCCL returns one)."""
+
     def __init__(self, works):
         self.works = works
 
@@ -60,19 +63,21 @@ class _DistSend:
         return all(w.is_completed() for w in self.works)
 
     def wait(self, timeout_s: float, poll: bool) -> None:
-        for work in self.works:
-            _wait_work(work, timeout_s, poll)
+        _wait_all(self.works, timeout_s, poll)
 
 
 class _DistRecv:
+    """A receive's Works and buffer; the buffer is handed out only after every Work is waited
+    on. ``header`` (gloo's direct path only): the shape arrives first, the payload is
+    received once it is known."""
+
     def __init__(self, transport, request: RecvRequest, works, buffer, header=None):
         self.transport, self.request = transport, request
         self.works, self.buffer, self.header = works, buffer, header
 
     def wait(self, timeout_s: float) -> torch.Tensor:
         deadline = time.monotonic() + timeout_s
-        for work in self.works:
-            _wait_work(work, max(0.0, deadline - time.monotonic()), self.transport.poll)
+        _wait_all(self.works, timeout_s, self.transport.poll)
         if self.header is not None:  # second phase: the payload, now that its shape is known
             shape, dtype = decode_header(self.header)
             self.buffer = torch.empty(shape, dtype=dtype, device=self.request.device)
@@ -80,6 +85,12 @@ class _DistRecv:
                               group_src=self.request.peer)
             _wait_work(work, max(0.0, deadline - time.monotonic()), self.transport.poll)
         return self.buffer
+
+
+def _wait_all(works, timeout_s: float, poll: bool) -> None:
+    deadline = time.monotonic() + timeout_s
+    for work in works:
+        _wait_work(work, max(0.0, deadline - time.monotonic()), poll)
 
 
 def _wait_work(work, timeout_s: float, poll: bool) -> None:
@@ -97,7 +108,7 @@ def _wait_work(work, timeout_s: float, poll: bool) -> None:
         if time.monotonic() > deadline:
             raise TransportTimeout()
         time.sleep(0.0001)
-    work.wait()
+    work.wait()  # NCCL: makes the current stream wait, so the data is there for compute
 
 
 def _timedelta(seconds: float):
@@ -107,55 +118,126 @@ def _timedelta(seconds: float):
 
 
 class TorchDistTransport:
-    """P2P over a torch.distributed process group (the pipeline-parallel group)."""
+    """P2P over a torch.distributed process group (the pipeline-parallel group).
 
-    def _start(self, ops) -> list:
-        """NCCL: one group (batch_isend_irecv), so a send and a receive of one call progress
-        together. gloo cannot group them; posting each directly costs about half as much."""
-        if not ops:
-            return []
-        if self.poll:  # NCCL
-            return dist.batch_isend_irecv(ops)
-        return [op.op(op.tensor, group=self.group,
-                      **({"group_dst": op.group_peer} if op.op is dist.isend
-                         else {"group_src": op.group_peer}))
-                for op in ops]
+    Two code paths, chosen once (``batched``; None: ``device.p2p_batched``, i.e. NCCL):
 
-    def __init__(self, group=None):
+    * batched (NCCL): each call is one ``batch_isend_irecv``. NCCL returns ONE Work for the
+      whole batch (gloo one per op), so every handle of a batch, send or receive, waits on
+      every Work the batch returned. Waits are polled (NCCL's wait does not block the host),
+      and no receive is posted ahead (NCCL runs a rank's batches in order: an early receive
+      would hold up the sends behind it). With variable shapes the headers go in a batch of
+      their own, waited on before the payload batch is posted (Megatron's
+      ``_communicate_shapes``): a payload received later, on its own, could wait for a peer
+      whose next batch waits for this rank's.
+    * direct (gloo): each op posted by itself (about half the cost of a gloo batch), one
+      Work per op; the payload of a variable-shape receive is posted once its header is in.
+    """
+
+    def __init__(self, group=None, batched: bool | None = None, timeout_s: float = 600.0):
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.device = device_helper.comm_device(group)
-        self.poll = not device_helper.waits_block_host(group)
+        self.batched = device_helper.p2p_batched(group) if batched is None else batched
+        self.poll = self.batched or not device_helper.waits_block_host(group)
         # NCCL runs a pair's operations in order: an early receive would hold up a send
         self.prefetch_receives = not self.poll
+        # the longest wait for shape headers inside a call (exchange takes no timeout)
+        self.timeout_s = timeout_s
 
-    def exchange(self, send, recv: RecvRequest | None, variable_shapes: bool):
+    def exchange(self, send, recv: RecvRequest | None, variable_shapes: bool,
+                 timeout_s: float | None = None):
         """Post one send (tensor, peer) and/or one receive together (Megatron's fused calls)."""
-        ops, header_recv = [], None
+        send_handle, recv_handles = self.exchange_many(
+            send, [recv] if recv is not None else [], variable_shapes, timeout_s)
+        return send_handle, (recv_handles[0] if recv_handles else None)
+
+    def exchange_many(self, send, recvs: list[RecvRequest], variable_shapes: bool,
+                      timeout_s: float | None = None):
+        """One send and any receives in one call (one batch on the batched path); returns
+        (send handle or None, one receive handle per request)."""
+        if self.batched:
+            return self._exchange_batched(send, recvs, variable_shapes, timeout_s)
+        return self._exchange_direct(send, recvs, variable_shapes)
+
+    # ---------------------------------------------------------------- batched (NCCL)
+    def _exchange_batched(self, send, recvs, variable_shapes: bool, timeout_s):
+        shapes = [(r.shape, r.dtype) for r in recvs]
         if variable_shapes:
-            # Shapes first, so the receiver can allocate; the payload follows in order.
-            if send is not None:
-                ops.append(dist.P2POp(dist.isend, encode_header(send[0], self.device),
-                                      group=self.group, group_peer=send[1]))
-            if recv is not None:
-                header_recv = torch.empty(_HEADER_LEN, dtype=torch.int64, device=self.device)
-                ops.append(dist.P2POp(dist.irecv, header_recv, group=self.group,
-                                      group_peer=recv.peer))
-        buffer = None
+            shapes = self._exchange_headers(send, recvs, timeout_s)
+        ops = []
         if send is not None:
-            ops.append(dist.P2POp(dist.isend, send[0].contiguous(), group=self.group,
-                                  group_peer=send[1]))
-        if recv is not None and not variable_shapes:
-            buffer = torch.empty(recv.shape, dtype=recv.dtype, device=recv.device)
-            ops.append(dist.P2POp(dist.irecv, buffer, group=self.group, group_peer=recv.peer))
-        works = self._start(ops)
-        send_works = [w for w, op in zip(works, ops) if op.op is dist.isend]
-        recv_works = [w for w, op in zip(works, ops) if op.op is dist.irecv]
+            ops.append(self._op(dist.isend, send[0].contiguous(), send[1]))
+        buffers = []
+        for request, (shape, dtype) in zip(recvs, shapes):
+            buffers.append(torch.empty(shape, dtype=dtype, device=request.device))
+            ops.append(self._op(dist.irecv, buffers[-1], request.peer))
+        works = self._batch(ops)
+        send_handle = _DistSend(works) if send is not None else None
+        return send_handle, [_DistRecv(self, r, works, b) for r, b in zip(recvs, buffers)]
+
+    def _exchange_headers(self, send, recvs, timeout_s) -> list[tuple]:
+        """The shape-header phase: one batch, both directions, waited on; the shapes in."""
+        if len({r.peer for r in recvs}) < len(recvs):
+            # a peer sends header and payload in two batches: a second header from it would
+            # be matched with the first payload
+            raise ValueError("variable shapes: at most one receive per peer in one call")
+        ops = []
+        if send is not None:
+            ops.append(self._op(dist.isend, encode_header(send[0], self.device), send[1]))
+        headers = [torch.empty(_HEADER_LEN, dtype=torch.int64, device=self.device)
+                   for _ in recvs]
+        ops += [self._op(dist.irecv, h, r.peer) for h, r in zip(headers, recvs)]
+        limit = self.timeout_s if timeout_s is None else timeout_s
+        try:
+            _wait_all(self._batch(ops), limit, self.poll)
+        except TransportTimeout:
+            raise self._header_timeout(send, recvs, limit) from None
+        return [decode_header(h) for h in headers]
+
+    def _header_timeout(self, send, recvs, waited_s: float) -> PipelineTimeoutError:
+        peers = [r.peer for r in recvs] or [send[1]]
+        parts = ([f"send to rank {send[1]}"] if send is not None else []) + [
+            f"receive from rank {r.peer}" for r in recvs]
+        return PipelineTimeoutError(
+            self.rank, peers[0], f"the shape headers of one call ({', '.join(parts)}), "
+            "exchanged before its tensors (variable_seq_lengths)", waited_s, [])
+
+    def _batch(self, ops) -> list:
+        return list(dist.batch_isend_irecv(ops)) if ops else []
+
+    def _op(self, op, tensor, peer: int):
+        return dist.P2POp(op, tensor, group=self.group, group_peer=peer)
+
+    # ---------------------------------------------------------------- direct (gloo)
+    def _exchange_direct(self, send, recvs, variable_shapes: bool):
+        """Each op posted by itself, one Work each: each handle waits on its own Works.
+        Variable shapes: the headers first (so the receiver can allocate), then the payload,
+        whose receive is posted once its header is in (``_DistRecv.wait``)."""
+        send_works, headers, buffers = [], [None] * len(recvs), [None] * len(recvs)
+        recv_works: list[list] = [[] for _ in recvs]
+        if variable_shapes:
+            if send is not None:
+                send_works.append(self._post(dist.isend, encode_header(send[0], self.device),
+                                             send[1]))
+            for i, request in enumerate(recvs):
+                headers[i] = torch.empty(_HEADER_LEN, dtype=torch.int64, device=self.device)
+                recv_works[i].append(self._post(dist.irecv, headers[i], request.peer))
+        if send is not None:
+            send_works.append(self._post(dist.isend, send[0].contiguous(), send[1]))
+        if not variable_shapes:
+            for i, request in enumerate(recvs):
+                buffers[i] = torch.empty(request.shape, dtype=request.dtype,
+                                         device=request.device)
+                recv_works[i].append(self._post(dist.irecv, buffers[i], request.peer))
         send_handle = _DistSend(send_works) if send is not None else None
-        recv_handle = (_DistRecv(self, recv, recv_works, buffer, header_recv)
-                       if recv is not None else None)
-        return send_handle, recv_handle
+        return send_handle, [_DistRecv(self, r, w, b, h)
+                             for r, w, b, h in zip(recvs, recv_works, buffers, headers)]
+
+    def _post(self, op, tensor, peer: int):
+        key = "group_dst" if op is dist.isend else "group_src"
+        return op(tensor, group=self.group, **{key: peer})
 
 
 # ----------------------------------------------------------------------------- in memory
@@ -214,16 +296,24 @@ class InMemoryTransport:
     def __init__(self, fabric: InMemoryFabric, rank: int):
         self.fabric, self.rank, self.world_size = fabric, rank, fabric.world_size
 
-    def exchange(self, send, recv: RecvRequest | None, variable_shapes: bool):
-        send_handle = recv_handle = None
+    def exchange(self, send, recv: RecvRequest | None, variable_shapes: bool,
+                 timeout_s: float | None = None):
+        send_handle, recv_handles = self.exchange_many(
+            send, [recv] if recv is not None else [], variable_shapes)
+        return send_handle, (recv_handles[0] if recv_handles else None)
+
+    def exchange_many(self, send, recvs: list[RecvRequest], variable_shapes: bool,
+                      timeout_s: float | None = None):
+        send_handle = None
         if send is not None:
             tensor, peer = send
             # A copy, as a wire would make: the sender may deallocate its output right after.
             self.fabric.channels[(self.rank, peer)].put(tensor.detach().clone())
             send_handle = _DoneSend()
-        if recv is not None:
-            request = RecvRequest(recv.peer, None if variable_shapes else recv.shape,
-                                  recv.dtype, recv.device)
-            recv_handle = _QueueRecv(self.fabric.channels[(recv.peer, self.rank)], request,
-                                     self.fabric.abort)
-        return send_handle, recv_handle
+        return send_handle, [self._recv(r, variable_shapes) for r in recvs]
+
+    def _recv(self, recv: RecvRequest, variable_shapes: bool) -> _QueueRecv:
+        request = RecvRequest(recv.peer, None if variable_shapes else recv.shape,
+                              recv.dtype, recv.device)
+        return _QueueRecv(self.fabric.channels[(recv.peer, self.rank)], request,
+                          self.fabric.abort)
