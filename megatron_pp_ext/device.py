@@ -62,6 +62,32 @@ def p2p_batched(group=None) -> bool:
     return backend_of(group) == "nccl"
 
 
+def group_timeout_s(group=None) -> float | None:
+    """The timeout ``group`` was created with (NCCL's watchdog aborts a collective or P2P
+    op that runs longer), in seconds; None if torch does not say."""
+    try:
+        pg = group if group is not None else dist.group.WORLD
+        device = torch.device("cuda") if backend_of(group) == "nccl" else torch.device("cpu")
+        return float(pg._get_backend(device).options._timeout.total_seconds())
+    except Exception:  # noqa: BLE001 - a private API: absent in some torch builds
+        return None
+
+
+def abort_group(group=None) -> bool:
+    """NCCL: abort ``group``'s communicators so that no rank stays blocked in an op that will
+    never complete (the pipeline gave up). Other backends: nothing (gloo's waits time out and
+    a closed connection ends them). Returns whether it aborted."""
+    if backend_of(group) != "nccl":
+        return False
+    try:
+        from torch.distributed.distributed_c10d import _abort_process_group
+
+        _abort_process_group(group)
+        return True
+    except Exception:  # noqa: BLE001 - best effort: the named error is already on its way
+        return False
+
+
 def launcher_backend() -> str:
     """The process-group backend for ranks started by a launcher (torchrun, srun): NCCL where
     this process sees a GPU and torch has NCCL, else gloo (the CPU)."""

@@ -134,3 +134,36 @@ def test_two_schedule_functions_share_no_state():
 
     copy = pickle.loads(pickle.dumps(one))
     assert copy.options == one.options and copy.state.steps_run == 0
+
+
+@pytest.mark.parametrize("given, group_timeout, want", [
+    ({}, None, (1800.0, 600.0)),  # torch does not say: 600 s, the first step 3x
+    ({}, 600.0, (270.0, 270.0)),  # NCCL's default 10 min: both well inside the watchdog
+    ({}, 1800.0, (810.0, 600.0)),  # gloo's default 30 min
+    ({"p2p_timeout_s": 60.0}, 600.0, (180.0, 60.0)),
+    ({"p2p_timeout_s": 60.0, "first_step_timeout_s": 500.0}, 600.0, (500.0, 60.0)),
+])
+def test_timeouts_are_derived_from_the_groups_timeout(given, group_timeout, want):
+    options = ScheduleFunction("1f1b", **given).options
+    assert options.timeouts(group_timeout) == want
+    unsafe = options.unsafe_timeouts(group_timeout)
+    assert unsafe == (["first_step_timeout_s=500"] if given.get("first_step_timeout_s") else [])
+
+
+def test_the_group_timeout_is_read_from_torch_and_gloo_is_never_aborted():
+    code = (
+        "import datetime, os, torch.distributed as dist\n"
+        "from megatron_pp_ext import device\n"
+        "os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=os.environ['PORT'])\n"
+        "dist.init_process_group('gloo', rank=0, world_size=1, "
+        "timeout=datetime.timedelta(seconds=77))\n"
+        "group = dist.new_group([0], timeout=datetime.timedelta(seconds=33))\n"
+        "print(device.group_timeout_s(), device.group_timeout_s(group), "
+        "device.abort_group(group))\n"
+    )
+    from megatron_pp_ext.train.processes import free_port
+
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, env=dict(os.environ, PORT=str(free_port())))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["77.0", "33.0", "False"]

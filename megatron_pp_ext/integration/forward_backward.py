@@ -228,21 +228,29 @@ def check_pipeline_size(pp_group, p2p_communicator=None, pg_collection=None,
 
 def _first_step_checks(state: RunState, options: PipelineOptions, schedule: Schedule, pp_group,
                        rank: int, forward_only: bool, recv_shape, dtype, variable: bool,
-                       device) -> None:
-    """Before the first step of each distinct setting: the ranks agree, rank 0 logs the plan."""
+                       device, first_timeout_s: float) -> None:
+    """Before the first step of each distinct setting: the ranks agree, rank 0 logs the plan
+    (and warns when a timeout set by hand would let NCCL's watchdog act first)."""
     values = agreement.settings(
         options.schedule, schedule.num_ranks, schedule.num_microbatches, schedule.chunks,
         forward_only, recv_shape, dtype, variable, options.to_dict())
     key = agreement.fingerprint(values)
     if key not in state.agreed and schedule.num_ranks > 1:
         agreement.check_agreement(values, pp_group, rank, device,
-                                  timeout_s=options.first_timeout_s,
+                                  timeout_s=first_timeout_s,
                                   polled=not device_helper.waits_block_host(pp_group))
     state.agreed.add(key)
     plan_key = (options.schedule, schedule.num_ranks, schedule.num_microbatches,
                 schedule.chunks, forward_only)
     if plan_key not in state.planned:
         state.planned.add(plan_key)
+        unsafe = options.unsafe_timeouts(device_helper.group_timeout_s(pp_group))
+        if unsafe and rank == 0 and device_helper.backend_of(pp_group) == "nccl":
+            logger.warning(
+                "%s exceed 0.45 x the pipeline group's timeout of %g s: NCCL's watchdog may "
+                "abort the job before the plugin names the peer it waited for; leave them "
+                "unset (derived from the group's timeout) or raise the group's timeout",
+                ", ".join(unsafe), device_helper.group_timeout_s(pp_group))
         if rank == 0 and logger.isEnabledFor(logging.INFO):
             from .plan import plan_text
 
@@ -322,8 +330,9 @@ def run_step(
     # NCCL: how this rank posts (checked against NCCL's rules before anything is sent)
     lockstep = (state.nccl_posting(schedule, rank) if getattr(transport, "batched", False)
                 else None)
+    first_timeout, later_timeout = options.timeouts(device_helper.group_timeout_s(pp_group))
     _first_step_checks(state, options, schedule, pp_group, rank, forward_only, recv_shape,
-                       pipeline_dtype, variable, transport.device)
+                       pipeline_dtype, variable, transport.device, first_timeout)
 
     embedding_module = None
     if config.finalize_model_grads_func is not None and not forward_only:
@@ -346,7 +355,7 @@ def run_step(
         weight_split=weight_split,
     )
     grad_sync.start()
-    timeout = options.first_timeout_s if state.steps_run == 0 else options.p2p_timeout_s
+    timeout = first_timeout if state.steps_run == 0 else later_timeout
     executor = Executor(schedule, rank, transport, work, recv_shape=recv_shape,
                         dtype=pipeline_dtype,
                         device=transport.device, timeout_s=timeout, variable_shapes=variable,
@@ -362,6 +371,7 @@ def run_step(
             result = executor.run()
     except PipelineTimeoutError as exc:
         agreement.explain_failure(exc, pp_group, rank)  # tell the peers, hear theirs
+        device_helper.abort_group(pp_group)  # NCCL: leave no rank blocked in a dead op
         raise
     grad_sync.finish()
     if weight_split is not None:
