@@ -29,16 +29,20 @@ class EmulatedCosts:
         return {"F": self.t_f, "I": self.t_i, "W": self.t_w}[kind]
 
 
-def stage_weights(num_stages: int, width: int, seed: int = 0) -> list[torch.Tensor]:
+def stage_weights(num_stages: int, width: int, seed: int = 0, device=None,
+                  dtype: torch.dtype = torch.float64) -> list[torch.Tensor]:
+    """``device`` / ``dtype``: drawn in float64 on the CPU (the same numbers everywhere), then
+    moved (the defaults move nothing)."""
     generator = torch.Generator().manual_seed(seed)
-    return [torch.randn(width, width, generator=generator, dtype=torch.float64) / width**0.5
-            for _ in range(num_stages)]
+    return [(torch.randn(width, width, generator=generator, dtype=torch.float64) / width**0.5)
+            .to(device=device, dtype=dtype) for _ in range(num_stages)]
 
 
-def microbatch_inputs(num_microbatches: int, rows: int, width: int, seed: int = 1):
+def microbatch_inputs(num_microbatches: int, rows: int, width: int, seed: int = 1,
+                      device=None, dtype: torch.dtype = torch.float64):
     generator = torch.Generator().manual_seed(seed)
     return [torch.randn(rows, width, generator=generator, dtype=torch.float64)
-            for _ in range(num_microbatches)]
+            .to(device=device, dtype=dtype) for _ in range(num_microbatches)]
 
 
 class EmulatedStageWork:

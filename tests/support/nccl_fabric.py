@@ -71,10 +71,13 @@ class _RecvHandle(_SendHandle):
 
 
 class NcclRulesFabric:
-    """Each rank's transport comes from ``transport(rank)``; ``close()`` stops the streams."""
+    """Each rank's transport comes from ``transport(rank)``; ``close()`` stops the streams.
+    ``device``: where the ranks' tensors live (the transports' ``device``; default the CPU).
+    The fabric's copies stay on the sent tensor's device."""
 
-    def __init__(self, world_size: int):
+    def __init__(self, world_size: int, device=None):
         self.world_size = world_size
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.lock = threading.Condition()
         self.abort = threading.Event()
         self.queues = [collections.deque() for _ in range(world_size)]  # posted, not started
@@ -146,6 +149,7 @@ class NcclRulesTransport:
 
     def __init__(self, fabric: NcclRulesFabric, rank: int):
         self.fabric, self.rank, self.world_size = fabric, rank, fabric.world_size
+        self.device = getattr(fabric, "device", self.device)
 
     def exchange(self, send, recv: RecvRequest | None, variable_shapes: bool):
         send_handle, recv_handles = self.exchange_many(
