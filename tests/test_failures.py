@@ -388,3 +388,63 @@ def _run_with_shape(schedule, shape):
     finally:
         assert sent == [], f"ranks {sent} sent a tensor"
 
+
+
+# ------------------------------------------------------------------ a peer fails and says so
+class WrongShapeOnRank:
+    """A picklable forward_backward_func: ``inner``, except that on global rank ``rank`` the
+    forward output loses a row after ``after`` forwards (refused before it is sent)."""
+
+    def __init__(self, inner, rank: int, after: int):
+        self.inner, self.rank, self.after = inner, rank, after
+
+    def __call__(self, **kwargs):
+        import torch.distributed as dist
+
+        if dist.get_rank() == self.rank:
+            step, calls = kwargs["forward_step_func"], [0]
+
+            def short_output(data_iterator, model):
+                output, loss_func = step(data_iterator, model)
+                calls[0] += 1
+                return (output[:-1] if calls[0] > self.after else output), loss_func
+
+            kwargs["forward_step_func"] = short_output
+        return self.inner(**kwargs)
+
+
+def report_step_under_nccl_rules(rank, world_size, schedule_fn, **kwargs):
+    """report_step with torch.distributed's batches behaving as NCCL's (support.nccl_rules):
+    the transport takes its NCCL code path, whose waits are polled. A rank that fails on its
+    own (not on a peer) stays connected until every other rank has reported, as a rank on
+    NCCL would: no closed connection tells its peers anything there."""
+    from support.nccl_rules import nccl_rules
+
+    from megatron_pp_ext.integration import agreement
+
+    with nccl_rules():
+        result = report_step(rank, world_size, schedule_fn, **kwargs)
+    if not result["ok"] and not result["is_timeout"]:
+        for peer in range(world_size):
+            if peer != rank:
+                agreement.await_peer_note(None, peer, within_s=150)
+    return result
+
+
+def test_a_rank_that_refuses_to_send_stops_its_peer_at_once_on_nccl():
+    """Rank 0's second forward produces a tensor of the wrong shape: it raises before sending
+    and publishes why. Rank 1, waiting for that activation with a timeout longer than the
+    harness gives the whole run, stops on rank 0's report instead (NCCL path: a dead or
+    failed peer never closes a connection there), naming rank 0 and its reason."""
+    slow = ScheduleFunction("1f1b", p2p_timeout_s=600, first_step_timeout_s=600)
+    out = collect(2, report_step_under_nccl_rules, WrongShapeOnRank(slow, rank=0, after=1),
+                  pp=2, num_microbatches=4)
+    assert out[0]["type"] == "ValueError", out[0]
+    assert "0F1 produced a tensor of shape" in out[0]["text"], out[0]["text"]
+    got = out[1]
+    assert got["type"] == "PeerFailedError" and got["peer"] == 0, got
+    assert got["text"].startswith("pipeline rank 1 stopped after "), got["text"]
+    assert "pending 1F1 (microbatch 1) waiting for the forward tensor of microbatch 1" \
+        in got["text"]
+    assert "rank 0 reported a failure: rank 0 failed: rank 0: 0F1 produced a tensor of " \
+        "shape" in got["text"], got["text"]

@@ -160,6 +160,7 @@ def check_agreement(values: dict, pp_group, rank: int, device: torch.device,
 
 # ---------------------------------------------------------------- failure notes
 _NOTE_PREFIX = "megatron_pp_ext/failure/"
+_FAILURES = "megatron_pp_ext/failures"  # a counter: notes published so far, job-wide
 _STORE_TIMEOUT_S = 2.0
 
 
@@ -193,6 +194,10 @@ def failure_note(exc: BaseException, rank: int) -> str:
     peer, pending = getattr(exc, "peer", None), getattr(exc, "pending", None)
     if peer is None or pending is None:
         return f"rank {rank} failed: {' '.join(str(exc).split())[:300]}"
+    from ..runtime.errors import PeerFailedError
+
+    if isinstance(exc, PeerFailedError):
+        return f"rank {rank} stopped because rank {peer} failed (pending {pending})"
     if getattr(exc, "cause", None) is not None:  # PeerLostError
         return f"rank {rank} lost its connection to rank {peer} (pending {pending})"
     return f"rank {rank} waited for rank {peer} and gave up (pending {pending})"
@@ -206,7 +211,41 @@ def publish_failure(pp_group, rank: int, note: str) -> None:
     if store is None:
         return
     key = f"{_NOTE_PREFIX}{dist.get_rank()}"
-    _bounded(lambda: store.set(key, note))
+
+    def write():
+        store.set(key, note)
+        store.add(_FAILURES, 1)  # after the note: a reader that sees the count sees the note
+
+    _bounded(write)
+
+
+def failures_published() -> int | None:
+    """How many failure notes the job's ranks have published so far (None: no store)."""
+    store = _store()
+    if store is None:
+        return None
+    return _bounded(lambda: int(store.add(_FAILURES, 0)))
+
+
+def peer_failure_watch(pp_group, rank: int):
+    """A transport ``watch`` for one step: raises ``PeerReported`` naming the first peer of
+    ``pp_group`` whose failure note appeared after the step began (notes of earlier, caught
+    failures do not count). One store read at the start of the step; None without a store."""
+    from ..runtime.errors import PeerReported
+
+    baseline = failures_published()
+    if baseline is None:
+        return None
+
+    def watch() -> None:
+        now = failures_published()
+        if now is None or now <= baseline:
+            return
+        notes = peer_failures(pp_group, rank)
+        for peer in sorted(notes):
+            raise PeerReported(peer, notes[peer])
+
+    return watch
 
 
 def _members(pp_group) -> list[int] | None:
@@ -290,7 +329,8 @@ def _peers_named(note: str) -> set[int]:
     import re
 
     found = set()
-    for pattern in (r"lost its connection to rank (\d+)", r"waited for rank (\d+)"):
+    for pattern in (r"lost its connection to rank (\d+)", r"waited for rank (\d+)",
+                    r"because rank (\d+) failed"):
         found.update(int(m) for m in re.findall(pattern, note))
     return found
 
@@ -298,5 +338,5 @@ def _peers_named(note: str) -> set[int]:
 __all__ = [
     "AgreementTimeoutError", "FINGERPRINT_FIELDS", "settings", "fingerprint",
     "describe_disagreement", "check_agreement", "publish_failure", "peer_failures",
-    "await_peer_note", "explain_failure",
+    "await_peer_note", "explain_failure", "failures_published", "peer_failure_watch",
 ]

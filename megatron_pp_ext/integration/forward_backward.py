@@ -361,6 +361,8 @@ def run_step(
                         device=transport.device, timeout_s=timeout, variable_shapes=variable,
                         trace=options.trace, timers=config.timers,
                         incoming=state.incoming(schedule, rank), lockstep=lockstep)
+    if transport.poll:  # NCCL: a peer that fails and says so stops this rank's waits at once
+        transport.watch = agreement.peer_failure_watch(pp_group, rank)
     measuring = auto is not None and auto.measuring and not forward_only
     memory_probe = device_helper.start_memory_probe(transport.device) if measuring else None
     try:
@@ -372,6 +374,10 @@ def run_step(
     except PipelineTimeoutError as exc:
         agreement.explain_failure(exc, pp_group, rank)  # tell the peers, hear theirs
         device_helper.abort_group(pp_group)  # NCCL: leave no rank blocked in a dead op
+        raise
+    except Exception as exc:  # e.g. a tensor of the wrong shape refused before sending
+        # tell the peers at once: on NCCL they would otherwise sit out their timeout
+        agreement.publish_failure(pp_group, rank, agreement.failure_note(exc, rank))
         raise
     grad_sync.finish()
     if weight_split is not None:

@@ -21,7 +21,7 @@ import torch
 
 from ..ir import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action, Schedule
 from ..timeline import COMM_WAIT, COMPUTE, Event
-from .errors import PipelineTimeoutError
+from .errors import PeerFailedError, PeerReported, PipelineTimeoutError
 from .messages import (
     ACTIVATION,
     GRADIENT,
@@ -320,20 +320,19 @@ class Executor:
 
     def _wait(self, handle, message: Message, action: Action) -> torch.Tensor:
         start = self.clock()
+        pending = (f"{action} (microbatch {action.microbatch}) waiting for the "
+                   f"{message.carries} tensor of microbatch {message.microbatch} from rank "
+                   f"{message.peer}")
         try:
             tensor = handle.wait(self.timeout_s)
         except TransportTimeout:
-            raise PipelineTimeoutError(
-                self.rank, message.peer,
-                f"{action} (microbatch {action.microbatch}) waiting for the {message.carries} "
-                f"tensor of microbatch {message.microbatch} from rank {message.peer}",
-                self.clock() - start, list(self._history),
-            ) from None
+            raise PipelineTimeoutError(self.rank, message.peer, pending, self.clock() - start,
+                                       list(self._history)) from None
+        except PeerReported as report:
+            raise PeerFailedError(self.rank, report.peer, pending, self.clock() - start,
+                                  list(self._history), report.note) from None
         except RuntimeError as exc:
-            self._raise_if_lost(exc, message.peer, f"{action} (microbatch {action.microbatch}) "
-                                f"waiting for the {message.carries} tensor of microbatch "
-                                f"{message.microbatch} from rank {message.peer}",
-                                self.clock() - start)
+            self._raise_if_lost(exc, message.peer, pending, self.clock() - start)
             raise
         except ValueError as exc:  # the transport's check of a received shape / dtype
             raise ValueError(
@@ -383,6 +382,9 @@ class Executor:
         except TransportTimeout:
             raise PipelineTimeoutError(self.rank, message.peer, pending, self.timeout_s,
                                        list(self._history)) from None
+        except PeerReported as report:
+            raise PeerFailedError(self.rank, report.peer, pending, self.clock() - start,
+                                  list(self._history), report.note) from None
         except RuntimeError as exc:
             self._raise_if_lost(exc, message.peer, pending, self.clock() - start)
             raise

@@ -56,14 +56,14 @@ def decode_header(header: torch.Tensor) -> tuple[tuple, torch.dtype]:
 class _DistSend:
     """A send's Works: on the batched path every Work of its batch (NCCL returns one)."""
 
-    def __init__(self, works):
-        self.works = works
+    def __init__(self, works, watch=None):
+        self.works, self.watch = works, watch
 
     def done(self) -> bool:
         return all(w.is_completed() for w in self.works)
 
     def wait(self, timeout_s: float, poll: bool) -> None:
-        _wait_all(self.works, timeout_s, poll)
+        _wait_all(self.works, timeout_s, poll, self.watch)
 
 
 class _DistRecv:
@@ -77,23 +77,30 @@ class _DistRecv:
 
     def wait(self, timeout_s: float) -> torch.Tensor:
         deadline = time.monotonic() + timeout_s
-        _wait_all(self.works, timeout_s, self.transport.poll)
+        _wait_all(self.works, timeout_s, self.transport.poll, self.transport.watch)
         if self.header is not None:  # second phase: the payload, now that its shape is known
             shape, dtype = decode_header(self.header)
             self.buffer = torch.empty(shape, dtype=dtype, device=self.request.device)
             work = dist.irecv(self.buffer, group=self.transport.group,
                               group_src=self.request.peer)
-            _wait_work(work, max(0.0, deadline - time.monotonic()), self.transport.poll)
+            _wait_work(work, max(0.0, deadline - time.monotonic()), self.transport.poll,
+                       self.transport.watch)
         return self.buffer
 
 
-def _wait_all(works, timeout_s: float, poll: bool) -> None:
+def _wait_all(works, timeout_s: float, poll: bool, watch=None) -> None:
     deadline = time.monotonic() + timeout_s
     for work in works:
-        _wait_work(work, max(0.0, deadline - time.monotonic()), poll)
+        _wait_work(work, max(0.0, deadline - time.monotonic()), poll, watch)
 
 
-def _wait_work(work, timeout_s: float, poll: bool) -> None:
+WATCH_EVERY_S = 1.0  # how often a polled wait asks ``watch`` whether a peer has failed
+
+
+def _wait_work(work, timeout_s: float, poll: bool, watch=None) -> None:
+    """Wait for ``work`` (TransportTimeout after ``timeout_s``). Polled waits (NCCL) call
+    ``watch()`` about once a second: it raises when a peer has reported a failure, so a rank
+    does not sit out its whole timeout on a peer that already gave up."""
     if not poll:
         try:
             if not work.wait(timeout=_timedelta(timeout_s)):
@@ -104,9 +111,14 @@ def _wait_work(work, timeout_s: float, poll: bool) -> None:
             raise
         return
     deadline = time.monotonic() + timeout_s
+    next_watch = time.monotonic() + WATCH_EVERY_S
     while not work.is_completed():
-        if time.monotonic() > deadline:
+        now = time.monotonic()
+        if now > deadline:
             raise TransportTimeout()
+        if watch is not None and now >= next_watch:
+            watch()
+            next_watch = now + WATCH_EVERY_S
         time.sleep(0.0001)
     work.wait()  # NCCL: makes the current stream wait, so the data is there for compute
 
@@ -141,6 +153,9 @@ class TorchDistTransport:
         self.device = device_helper.comm_device(group)
         self.batched = device_helper.p2p_batched(group) if batched is None else batched
         self.poll = self.batched or not device_helper.waits_block_host(group)
+        # polled waits call it about once a second; it raises PeerReported when a peer has
+        # failed (the drop-in sets it each step: runtime.errors, integration.agreement)
+        self.watch = None
         # NCCL runs a pair's operations in order: an early receive would hold up a send
         self.prefetch_receives = not self.poll
         # the longest wait for shape headers inside a call (exchange takes no timeout)
@@ -174,7 +189,7 @@ class TorchDistTransport:
             buffers.append(torch.empty(shape, dtype=dtype, device=request.device))
             ops.append(self._op(dist.irecv, buffers[-1], request.peer))
         works = self._batch(ops)
-        send_handle = _DistSend(works) if send is not None else None
+        send_handle = _DistSend(works, self.watch) if send is not None else None
         return send_handle, [_DistRecv(self, r, works, b) for r, b in zip(recvs, buffers)]
 
     def _exchange_headers(self, send, recvs, timeout_s) -> list[tuple]:
@@ -231,7 +246,7 @@ class TorchDistTransport:
                 buffers[i] = torch.empty(request.shape, dtype=request.dtype,
                                          device=request.device)
                 recv_works[i].append(self._post(dist.irecv, buffers[i], request.peer))
-        send_handle = _DistSend(send_works) if send is not None else None
+        send_handle = _DistSend(send_works, self.watch) if send is not None else None
         return send_handle, [_DistRecv(self, r, w, b, h)
                              for r, w, b, h in zip(recvs, recv_works, buffers, headers)]
 
