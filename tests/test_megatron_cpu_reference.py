@@ -174,9 +174,7 @@ def test_ddp_overlap_grad_reduce_megatron_and_plugin_match_pp1(megatron_referenc
 def test_plugin_gpipe_with_ddp_overlap_grad_reduce_matches_pp1(megatron_reference, world, pp):
     """The plugin's GPipe (no Megatron counterpart) under DDP with overlap_grad_reduce: every
     stage accumulates its weight gradients over microbatches 0..m-1 as pp=1 does, so bit for
-    bit. The split-backward schedules (zb-h1, zb-h2, zb-v, dualpipev) are not here: with
-    overlap_grad_reduce their I step reaches DDP's grad-ready hook with param.grad None, which
-    Megatron asserts against (an open issue of the plugin)."""
+    bit."""
     ref = megatron_reference(num_microbatches=M)
     got = _run(world, ScheduleFunction("gpipe"), pp=pp, num_microbatches=M, ddp=True,
                overlap_grad_reduce=True)
@@ -238,3 +236,23 @@ def test_v_layout_with_ddp_hooks_and_several_runs_per_launch():
 def test_v_layout_refuses_megatron_schedules():
     with pytest.raises(ValueError, match="loop placement"):
         run_step(0, 1, "interleaved", pp=1, layout="v")
+
+
+@pytest.mark.megatron_cpu
+@pytest.mark.parametrize("schedule, layout", [("zb-h1", "loop"), ("zb-h2", "loop"),
+                                              ("zb-v", "v"), ("dualpipev", "v")])
+def test_split_backward_with_ddp_overlap_grad_reduce_matches_pp1(megatron_reference, schedule,
+                                                                 layout):
+    """The split-backward schedules under Megatron DDP with overlap_grad_reduce, run twice in
+    the same processes (the I/W patch entered and left twice): I leaves the
+    deferred weights' grad-ready hook alone (DDP asserts on a None gradient and would start
+    the reduction before W), W fires it with the real gradient, once per microbatch. Equal to
+    pp=1 within fp32 (W accumulates each weight's microbatches in the schedule's order)."""
+    ref = megatron_reference(num_microbatches=M)
+    common = dict(pp=2, layout=layout, num_microbatches=M, ddp=True, overlap_grad_reduce=True)
+    per_rank = spawn(2, run_steps, [dict(schedule=ScheduleFunction(schedule), **common)] * 2,
+                     timeout_s=TIMEOUT)
+    for step in range(2):
+        got = merge_results([ranks[step] for ranks in per_rank])
+        assert len(got["losses"]) == M
+        assert_same(got, ref, rtol=1e-5, atol=1e-6)

@@ -361,6 +361,7 @@ def run_step(
                         device=transport.device, timeout_s=timeout, variable_shapes=variable,
                         trace=options.trace, timers=config.timers,
                         incoming=state.incoming(schedule, rank), lockstep=lockstep)
+    transport.timeout_s = timeout  # its own waits inside a call (shape headers) too
     if transport.poll:  # NCCL: a peer that fails and says so stops this rank's waits at once
         transport.watch = agreement.peer_failure_watch(pp_group, rank)
     measuring = auto is not None and auto.measuring and not forward_only

@@ -79,7 +79,21 @@ def _deferring_backward(ctx, grad_output):
         grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(dim=0)
     queue.append(WeightGradTask(weight, input_tensor, grad_output,
                                 bool(ctx.gradient_accumulation_fusion)))
+    _hide_from_ddp(weight)
     return (grad_input, None, grad_bias) + (None,) * (_num_forward_inputs() - 3)
+
+
+def _hide_from_ddp(weight) -> None:
+    """Megatron DDP's grad-ready hook runs when the weight's AccumulateGrad does, even for the
+    None gradient this I returns; with overlap_grad_reduce it asserts a gradient, and
+    register_grad_ready would start the bucket's reduction before W adds the real one. So
+    for the rest of this I the weight is out of its DDP's param_to_bucket_group (the hook
+    then does nothing); W's gradient fires the hook as a full backward would, once per
+    microbatch (Megatron's own deferred wgrad moves the hook to backward_dw likewise)."""
+    for buckets in getattr(_capture, "ddp_buckets", ()):
+        if weight in buckets:
+            _capture.hidden.append((buckets, weight, buckets.pop(weight)))
+            return
 
 
 @functools.lru_cache(maxsize=1)
@@ -122,6 +136,10 @@ class WeightGradSplit:
 
     def __init__(self, model_chunks):
         self.pending: dict[tuple, list[WeightGradTask]] = collections.defaultdict(list)
+        # Megatron DDP's {param: bucket group} of each chunk (see _hide_from_ddp)
+        self.ddp_buckets = [buckets for buckets in (
+            getattr(chunk, "param_to_bucket_group", None) for chunk in model_chunks)
+            if isinstance(buckets, dict)]
         # A walk over every module: once per model chunk (remembered on it), not per step.
         fresh = [chunk for chunk in model_chunks if not hasattr(chunk, _SCANNED)]
         for chunk in fresh:
@@ -165,11 +183,13 @@ class WeightGradSplit:
     @contextlib.contextmanager
     def capturing(self, action: Action):
         queue = self.pending[(action.stage, action.microbatch)]
-        _capture.queue = queue
+        _capture.queue, _capture.ddp_buckets, _capture.hidden = queue, self.ddp_buckets, []
         try:
             yield
         finally:
-            _capture.queue = None
+            for buckets, weight, group in _capture.hidden:
+                buckets[weight] = group
+            _capture.queue, _capture.ddp_buckets, _capture.hidden = None, (), []
 
     def backward_input(self, action: Action, input_tensor, output, output_grad, config):
         from megatron.core.pipeline_parallel.schedules import backward_step
