@@ -448,3 +448,25 @@ def test_a_rank_that_refuses_to_send_stops_its_peer_at_once_on_nccl():
         in got["text"]
     assert "rank 0 reported a failure: rank 0 failed: rank 0: 0F1 produced a tensor of " \
         "shape" in got["text"], got["text"]
+
+
+def test_tensor_shape_follows_the_megatron_function_replaced():
+    """Megatron's interleaved schedule sends seq_length-long tensors whatever
+    decoder_seq_length says; its 1F1B takes decoder_seq_length (Megatron-LM's own
+    test_schedules passes decoder_seq_length=512 with seq_length=256 to both)."""
+    from megatron.core.pipeline_parallel.schedules import get_tensor_shapes
+
+    from megatron_pp_ext.integration.forward_backward import shape_decoder_seq_length
+
+    config = types.SimpleNamespace(variable_seq_lengths=False, sequence_parallel=False,
+                                   hidden_size=8)
+    cp = _Group(1)
+
+    def shape(chunks):
+        return get_tensor_shapes(seq_length=256, micro_batch_size=2, config=config,
+                                 decoder_seq_length=shape_decoder_seq_length(chunks, 512),
+                                 tp_group=_Group(1), cp_group=cp)[0]
+
+    assert shape(1) == (512, 2, 8)
+    assert shape(2) == (256, 2, 8)
+    assert shape_decoder_seq_length(2, None) is None and shape_decoder_seq_length(1, None) is None

@@ -160,6 +160,14 @@ def schedule_for(options: PipelineOptions, p: int, m: int, num_chunks: int, forw
                             tuple(sorted(builder_options.items())))
 
 
+def shape_decoder_seq_length(num_chunks: int, decoder_seq_length: int | None) -> int | None:
+    """The decoder_seq_length that sets the pipeline's tensor shape, as the Megatron function
+    this call replaces has it: with one model chunk Megatron's 1F1B uses ``get_tensor_shapes``
+    (decoder_seq_length when given); with several chunks Megatron's interleaved schedule
+    always sends ``seq_length`` (it ignores decoder_seq_length)."""
+    return decoder_seq_length if num_chunks == 1 else None
+
+
 def check_chunk_placement(schedule: Schedule, rank: int, models) -> None:
     """Each local chunk must be built for the stage the schedule gives it: the embedding on
     stage 0, the loss on the last stage (the V layout puts that on rank 0's chunk 1)."""
@@ -319,8 +327,9 @@ def run_step(
     check_chunk_placement(schedule, rank, models)  # a few attribute reads
 
     shapes = get_tensor_shapes(seq_length=seq_length, micro_batch_size=micro_batch_size,
-                               decoder_seq_length=decoder_seq_length, config=config,
-                               tp_group=tp_group, cp_group=cp_group)
+                               decoder_seq_length=shape_decoder_seq_length(
+                                   len(models), decoder_seq_length),
+                               config=config, tp_group=tp_group, cp_group=cp_group)
     if adjust_tensor_shapes_fn is not None:
         shapes, _ = adjust_tensor_shapes_fn(shapes, shapes)
     variable = bool(config.variable_seq_lengths)
