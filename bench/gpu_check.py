@@ -197,18 +197,10 @@ def rank_stream(device: torch.device, stream):
 
 # ----------------------------------------------------------------------------- pp = 1
 def reference(num_stages: int, m: int, rows: int, width: int, device, dtype):
-    """The unpipelined run: every stage in sequence, the same weights and data, on the same
-    device and dtype (support.inmemory.reference_gradients at any size and device)."""
-    weights = [w.clone().requires_grad_(True)
-               for w in stage_weights(num_stages, width, device=device, dtype=dtype)]
-    losses = []
-    for x in microbatch_inputs(m, rows, width, device=device, dtype=dtype):
-        for w in weights:
-            x = torch.tanh(x @ w)
-        loss = x.sum() / m
-        loss.backward()
-        losses.append(float(loss.detach()))
-    return {s: w.grad for s, w in enumerate(weights)}, losses
+    """The unpipelined run on the same device and dtype (support.inmemory's)."""
+    from support.inmemory import reference_gradients
+
+    return reference_gradients(num_stages, m, rows, width, device=device, dtype=dtype)
 
 
 def compare(grads: dict, losses: dict, want: dict, want_losses: list, dtype, device):

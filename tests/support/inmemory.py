@@ -62,11 +62,13 @@ def run_inmemory(schedule, delays=None, costs: EmulatedCosts | None = None, time
                                 fabric=fabric)
 
 
-def reference_gradients(num_stages: int, num_microbatches: int):
+def reference_gradients(num_stages: int, num_microbatches: int, rows: int = ROWS,
+                        width: int = WIDTH, device=None, dtype=torch.float64):
     """The unpipelined run (pp = 1): every stage in sequence, same weights and data."""
-    weights = [w.clone().requires_grad_(True) for w in stage_weights(num_stages, WIDTH)]
+    weights = [w.clone().requires_grad_(True)
+               for w in stage_weights(num_stages, width, device=device, dtype=dtype)]
     losses = []
-    for x in microbatch_inputs(num_microbatches, ROWS, WIDTH):
+    for x in microbatch_inputs(num_microbatches, rows, width, device=device, dtype=dtype):
         for w in weights:
             x = torch.tanh(x @ w)
         loss = x.sum() / num_microbatches
