@@ -37,7 +37,8 @@ def collect(world_size: int, fn, *args, silent=(), deadline_s: float = 180.0, **
     (they hang); every rank is stopped at the end."""
     ctx = launch._context("forkserver")
     results = ctx.Queue()
-    port = launch.free_port()
+    store = launch.host_store(deadline_s)
+    port = store.port
     procs = [ctx.Process(target=launch._worker,
                          args=(r, world_size, port, deadline_s, fn, args, kwargs, results),
                          daemon=True) for r in range(world_size)]

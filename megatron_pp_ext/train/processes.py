@@ -31,7 +31,7 @@ import time
 import traceback
 from typing import Any, Callable, Optional
 
-__all__ = ["spawn", "free_port", "init_megatron", "destroy", "SpawnError"]
+__all__ = ["spawn", "free_port", "host_store", "init_megatron", "destroy", "SpawnError"]
 
 # Modules the forkserver imports once, so that every rank forks with them already loaded.
 _PRELOAD = [
@@ -53,10 +53,23 @@ class SpawnError(RuntimeError):
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    """A TCP port on 127.0.0.1 that was free a moment ago (another process may take it before
+    it is used: for ranks, prefer ``host_store``, which never races)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def host_store(timeout_s: float):
+    """The ranks' rendezvous store, served by this (the parent) process on a port the kernel
+    picks as it binds: no window in which another process can take the port (a port found
+    free and bound later by rank 0 can be, under load: EADDRINUSE), and the store outlives a
+    rank that dies. Keep the returned store alive while the ranks run; ``store.port``."""
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, None, True,
+                         timeout=datetime.timedelta(seconds=max(1.0, float(timeout_s))),
+                         wait_for_workers=False)
 
 
 def _context(start_method: str):
@@ -87,7 +100,8 @@ def _loads(data: bytes) -> Any:
 
 
 def _worker(rank, world_size, port, timeout_s, fn, args, kwargs, results):
-    """Body of one rank: environment, one thread, gloo group, fn, result to the parent."""
+    """Body of one rank: environment, one thread, gloo group (rendezvous at the parent's
+    store on ``port``), fn, result to the parent."""
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # parent asks for stacks on timeout
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -103,12 +117,10 @@ def _worker(rank, world_size, port, timeout_s, fn, args, kwargs, results):
         import torch.distributed as dist
 
         torch.set_num_threads(1)
-        dist.init_process_group(
-            "gloo",
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=max(1.0, float(timeout_s))),
-        )
+        timeout = datetime.timedelta(seconds=max(1.0, float(timeout_s)))
+        store = dist.TCPStore("127.0.0.1", port, None, False, timeout=timeout)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                                timeout=timeout)
         out = _dumps(fn(rank, world_size, *args, **kwargs))
         destroy()
         dist.destroy_process_group()
@@ -139,7 +151,8 @@ def spawn(
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     ctx = _context(start_method)
     results = ctx.Queue()
-    port = free_port()
+    store = host_store(timeout_s)
+    port = store.port
     procs = [
         ctx.Process(
             target=_worker,
@@ -191,6 +204,7 @@ def spawn(
     finally:
         _stop(procs, graceful=error is None)
         results.close()
+        del store  # after the ranks: they rendezvoused and left notes there
     if error is not None:
         raise error
     return [outputs[r] for r in range(world_size)]
