@@ -34,6 +34,7 @@ model chunks must be built for it: this module checks only that there are two.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 from typing import Any
 
@@ -206,3 +207,119 @@ def chain_args_providers(*providers):
         return parser
 
     return provider
+
+
+# --------------------------------------------------------------------------------------------
+# Model providers for the V layout (zb-v, dualpipev)
+# --------------------------------------------------------------------------------------------
+
+
+def uses_v_layout(args: Any) -> bool:
+    """Whether ``--pipeline-schedule`` asks for a V-layout schedule (zb-v, dualpipev)."""
+    name = getattr(args, "pipeline_schedule", None)
+    if not name or name == AUTO:
+        return False
+    from ..schedules import REGISTRY
+
+    spec = REGISTRY.get(name)
+    return spec is not None and spec.layout == "v"
+
+
+def v_chunk_stage(pp_rank: int, pp_size: int, vp_stage: int) -> int:
+    """The stage chunk ``vp_stage`` of ``pp_rank`` holds in the V layout: r, then 2p-1-r."""
+    return pp_rank if vp_stage == 0 else 2 * pp_size - 1 - pp_rank
+
+
+def v_layout_model_provider(model_provider):
+    """Wrap a Megatron-LM model provider (``pretrain_gpt.py``'s, or any with its keywords
+    ``pre_process, post_process, vp_stage, config, pg_collection``) so that Megatron's
+    ``get_model`` builds V-layout chunks with the same spec: chunk c of pipeline rank r is stage
+    ``r`` (c = 0) or ``2p-1-r`` (c = 1), so rank 0 holds the embedding *and* the loss.
+
+    ``get_model`` asks for pre/post-processing in Megatron's loop layout; the wrapper replaces
+    them with the V layout's and renumbers the decoder layers' ``layer_number`` to the stage's
+    global layers (Megatron numbers chunk 1 as loop stage ``p + r``; the number only sets the
+    query-key scaling coefficient and checkpoint names). Each chunk is annotated with
+    ``pipeline_stage`` / ``pipeline_num_stages``."""
+
+    @functools.wraps(model_provider)
+    def provider(pre_process=True, post_process=True, vp_stage=None, config=None,
+                 pg_collection=None, **kwargs):
+        pp_group = getattr(pg_collection, "pp", None)
+        if pp_group is None:
+            from megatron.core import parallel_state
+
+            pp_group = parallel_state.get_pipeline_model_parallel_group()
+        import torch.distributed as dist
+
+        p, r = dist.get_world_size(pp_group), dist.get_rank(pp_group)
+        if vp_stage not in (0, 1):
+            raise ValueError(
+                f"the V layout builds 2 model chunks per rank, got vp_stage={vp_stage}: "
+                "add --num-virtual-stages-per-pipeline-rank 2")
+        stage = v_chunk_stage(r, p, vp_stage)
+        model = model_provider(pre_process=(stage == 0), post_process=(stage == 2 * p - 1),
+                               vp_stage=vp_stage, config=config, pg_collection=pg_collection,
+                               **kwargs)
+        layers = getattr(getattr(model, "decoder", None), "layers", None)
+        if layers is not None and len(layers):
+            _renumber_layers(layers, first=stage * len(layers) + 1)
+        model.pipeline_stage, model.pipeline_num_stages = stage, 2 * p
+        model.pipeline_v_layout = True
+        _use_v_layout_float16_module()
+        return model
+
+    provider.v_layout = True
+    return provider
+
+
+def _use_v_layout_float16_module() -> None:
+    """``get_model`` wraps each chunk in ``Float16Module`` for --bf16 / --fp16, which casts the
+    inputs of Megatron's first stage and upcasts the outputs of its *last* stage, both found by
+    the loop layout (rank p-1's chunk 1 upcasts hidden states it sends on; rank 0's loss chunk
+    does not). Make ``megatron.training.training`` build the V-aware subclass instead: for
+    chunks built by :func:`v_layout_model_provider` it asks the chunk's own ``pre_process`` /
+    ``post_process``; for any other chunk it is Megatron's ``Float16Module``."""
+    from megatron.training import training
+
+    if not getattr(training.Float16Module, "v_layout_aware", False):
+        training.Float16Module = _v_layout_float16_module_class()
+
+
+@functools.lru_cache(maxsize=1)
+def _v_layout_float16_module_class():
+    from megatron.core.transformer.module import Float16Module, float16_to_fp32, fp32_to_float16
+
+    class VLayoutFloat16Module(Float16Module):
+        v_layout_aware = True
+
+        def forward(self, *inputs, fp32_output=True, **kwargs):
+            if not getattr(self.module, "pipeline_v_layout", False):
+                return super().forward(*inputs, fp32_output=fp32_output, **kwargs)
+            if self.module.pre_process:
+                inputs = fp32_to_float16(inputs, self.float16_convertor)
+            outputs = self.module(*inputs, **kwargs)
+            if self.module.post_process and fp32_output is True:
+                outputs = float16_to_fp32(outputs)
+            return outputs
+
+    return VLayoutFloat16Module
+
+
+def _renumber_layers(layers, first: int) -> None:
+    for i, layer in enumerate(layers):
+        delta = first + i - getattr(layer, "layer_number", first + i)
+        if delta:
+            for module in layer.modules():
+                number = getattr(module, "layer_number", None)
+                if isinstance(number, int) and not isinstance(number, bool):
+                    module.layer_number = number + delta
+
+
+def model_provider_for_args(model_provider, args: Any):
+    """``model_provider`` as it is, or wrapped by :func:`v_layout_model_provider` when
+    ``--pipeline-schedule`` is a V-layout schedule: what a training script passes to
+    ``pretrain()`` so every schedule works from the same command line."""
+    if model_provider is None or not uses_v_layout(args):
+        return model_provider
+    return v_layout_model_provider(model_provider)

@@ -1,0 +1,393 @@
+"""Megatron-LM's real training loop (``megatron.training.pretrain`` from the megatron-core wheel)
+on the CPU with gloo, as a :func:`megatron_pp_ext.train.processes.spawn` target.
+
+    from megatron_pp_ext.train.processes import spawn
+    from support.megatron_loop import pretrain_argv, run_pretrain, merge_history
+
+    argv = pretrain_argv(pp=2, dp=2, schedule="zb-h1")
+    history = merge_history(spawn(4, run_pretrain, argv, timeout_s=300))
+    # history["lm loss"], history["grad_norm"]: one float per iteration
+
+Each rank parses ``argv`` exactly as Megatron-LM's ``pretrain_gpt.py`` (with the plugin's
+argument group, as ``scripts/pretrain_gpt_pp.py`` adds it), installs the schedule named by
+``--pipeline-schedule`` (none: Megatron's own schedule), and calls ``pretrain()`` with our GPT
+model provider and a ``MockGPTDataset`` provider. ``train_step`` is wrapped only to *record*
+what it returns (the reduced losses and the grad norm); everything else is Megatron's.
+
+The model provider builds Megatron's ``GPTModel`` from the local layer spec (the same spec
+whatever the schedule) and fills every parameter from its *global* name
+(``tiny_gpt.init_weights``), so Megatron's 1F1B, its interleaved schedule and the V layout of
+``zb-v`` / ``dualpipev`` all start from the same weights and can be compared. With a V-layout
+schedule it builds chunk c of rank r as stage ``r`` (c = 0) or ``2p-1-r`` (c = 1)
+(``megatron_args.v_layout_model_provider``).
+
+CPU patches (``apply_cpu_patches``): each one is here, in the tests' support code, because
+Megatron-LM's loop assumes CUDA there; the plugin's runtime needs none of them. Each entry of
+``_PATCHES`` says why.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from typing import Any, Optional, Sequence
+
+import torch
+
+__all__ = [
+    "pretrain_argv",
+    "run_pretrain",
+    "merge_history",
+    "apply_cpu_patches",
+    "model_provider",
+    "train_valid_test_datasets_provider",
+    "forward_step",
+]
+
+# Tiny GPT: 8 layers divide into pp=2 x vp=2 stages (loop and V); vocabulary and sequence tiny.
+NUM_LAYERS = 8
+HIDDEN = 32
+HEADS = 4
+VOCAB = 128
+SEQ = 16
+SEED = 1234
+
+
+def pretrain_argv(
+    pp: int = 2,
+    dp: int = 2,
+    schedule: Optional[str] = None,
+    vp: Optional[int] = None,
+    iters: int = 5,
+    micro_batch_size: int = 1,
+    num_microbatches: int = 4,
+    extra: Sequence[str] = (),
+) -> list[str]:
+    """Megatron-LM arguments for the tiny GPT on the CPU with the flags people train with
+    (``--overlap-grad-reduce --use-distributed-optimizer --clip-grad 1.0 --bf16``)."""
+    argv = [
+        "--num-layers", str(NUM_LAYERS), "--hidden-size", str(HIDDEN),
+        "--num-attention-heads", str(HEADS), "--seq-length", str(SEQ),
+        "--max-position-embeddings", str(SEQ),
+        "--micro-batch-size", str(micro_batch_size),
+        "--global-batch-size", str(micro_batch_size * num_microbatches * dp),
+        "--train-iters", str(iters), "--eval-iters", "0", "--eval-interval", "1000",
+        "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "constant",
+        "--weight-decay", "0.01", "--clip-grad", "1.0", "--bf16",
+        "--tensor-model-parallel-size", "1",
+        "--pipeline-model-parallel-size", str(pp),
+        "--overlap-grad-reduce", "--use-distributed-optimizer",
+        "--distributed-backend", "gloo", "--transformer-impl", "local",
+        "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion",
+        "--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-rope-fusion",
+        "--no-persist-layer-norm",
+        "--attention-dropout", "0", "--hidden-dropout", "0",
+        "--position-embedding-type", "learned_absolute",
+        "--untie-embeddings-and-output-weights",
+        "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB),
+        "--seed", str(SEED), "--log-interval", "1", "--num-workers", "0",
+        "--use-cpu-initialization", "--deterministic-mode",
+    ]
+    if vp is not None:
+        argv += ["--num-virtual-stages-per-pipeline-rank", str(vp)]
+    if schedule is not None:
+        argv += ["--pipeline-schedule", schedule]
+    return argv + list(extra)
+
+
+# --------------------------------------------------------------------------------------------
+# CPU patches
+# --------------------------------------------------------------------------------------------
+
+
+def _cpu_tensor_cuda(self, device=None, non_blocking=False, **kwargs):
+    return self
+
+
+def _cpu_module_cuda(self, device=None):
+    return self
+
+
+_FACTORIES = ("tensor", "zeros", "ones", "empty", "full", "arange")
+
+_CUDA_TYPE_NAMES = {
+    "torch.FloatTensor": "torch.cuda.FloatTensor",
+    "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor",
+    "torch.HalfTensor": "torch.cuda.HalfTensor",
+}
+_tensor_type = torch.Tensor.type
+
+
+def _cuda_named_type(self, dtype=None, non_blocking=False, **kwargs):
+    if dtype is None and not kwargs:
+        name = _tensor_type(self)
+        return _CUDA_TYPE_NAMES.get(name, name)
+    return _tensor_type(self, dtype, non_blocking, **kwargs)
+
+
+def _patch_table() -> list[tuple[Any, str, Any, str]]:
+    """(owner, attribute, replacement, why): the CPU patches Megatron-LM's loop needs."""
+    from megatron.core.datasets import utils as dataset_utils
+    from megatron.training import initialize, training
+    from megatron.training.utils import common_utils
+
+    from megatron_pp_ext.train.cpu_shims import _on_cpu
+
+    init = functools.partial(training.initialize_megatron, allow_no_cuda=True)
+    return [
+        (training, "initialize_megatron", init,
+         "pretrain() calls initialize_megatron() without allow_no_cuda: it asserts CUDA"),
+        (initialize, "torch", _TorchWithOneDevice(),
+         "initialize sees torch.cuda.device_count() == 0 and then skips initialize_model_parallel"),
+        (training, "set_jit_fusion_options", lambda *a, **k: None,
+         "set_jit_fusion_options warms up fused kernels on CUDA tensors"),
+        *[(torch, name, _on_cpu(getattr(torch, name)),
+           "the loop, the rerun state machine and the loss reporting make flags, timestamps "
+           "and counters with device='cuda'") for name in _FACTORIES],
+        (torch.Tensor, "cuda", _cpu_tensor_cuda,
+         "get_batch and the loop move tensors with .cuda(): keep them on the CPU"),
+        (torch.nn.Module, "cuda", _cpu_module_cuda,
+         "get_model moves each model chunk with .cuda(current_device)"),
+        (torch.cuda, "Stream", lambda *a, **k: _NullStreamCtx(),
+         "get_model wraps DDP construction in a side CUDA stream"),
+        (torch.cuda, "stream", lambda *a, **k: _NullStreamCtx(),
+         "get_model enters torch.cuda.stream(side stream)"),
+        (torch.Tensor, "type", _cuda_named_type,
+         "clip_grads and the distributed optimizer assert torch.cuda.* tensor type names"),
+        (dataset_utils, "compile_helpers", lambda: None,
+         "initialize runs `make` in the wheel's datasets folder, which ships helpers_cpp prebuilt "
+         "and no Makefile"),
+        (torch.cuda, "get_rng_state", lambda *a, **k: torch.empty(0, dtype=torch.uint8),
+         "the rerun state machine saves the CUDA RNG state every step (no CUDA RNG here)"),
+        (torch.cuda, "set_rng_state", lambda *a, **k: None,
+         "... and restores it"),
+    ]
+
+
+class _NullStreamCtx:
+    """A CUDA stream stand-in that is also a context manager (torch.cuda.stream(s))."""
+
+    device = torch.device("cpu")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def wait_stream(self, stream):
+        return None
+
+    def wait_event(self, event):
+        return None
+
+    def synchronize(self):
+        return None
+
+    def record_event(self, event=None):
+        return event
+
+
+class _TorchWithOneDevice:
+    """``torch`` for megatron.training.initialize: ``torch.cuda.device_count()`` is 1."""
+
+    class _Cuda:
+        def __getattr__(self, name):
+            return getattr(torch.cuda, name)
+
+        @staticmethod
+        def device_count():
+            return 1
+
+    cuda = _Cuda()
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
+_APPLIED: list[tuple[Any, str, Any]] = []
+
+
+def apply_cpu_patches() -> None:
+    """Megatron-Core's CPU shims (``cpu_shims``), then the loop's own patches above. For a
+    spawned rank only (never undone: the process ends with the run)."""
+    from megatron_pp_ext.train.cpu_shims import apply_cpu_shims
+
+    apply_cpu_shims(force=True)
+    if _APPLIED:
+        return
+    for owner, attr, replacement, _why in _patch_table():
+        _APPLIED.append((owner, attr, getattr(owner, attr, None)))
+        setattr(owner, attr, replacement)
+
+
+# --------------------------------------------------------------------------------------------
+# Providers: model, data, forward step
+# --------------------------------------------------------------------------------------------
+
+
+def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None,
+                   pg_collection=None):
+    """Megatron's GPTModel from the local layer spec, as pretrain_gpt.py builds it with
+    --transformer-impl local (weights: see :func:`with_global_init`)."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.training import get_args
+    from megatron.training.argument_utils import core_transformer_config_from_args
+
+    args = get_args()
+    if config is None:
+        config = core_transformer_config_from_args(args)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(),
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
+        vp_stage=vp_stage,
+    )
+    return model
+
+
+def with_global_init(provider):
+    """Fill every parameter of each chunk ``provider`` builds from its global name
+    (``tiny_gpt.init_weights``): the stage is the V wrapper's annotation, else Megatron's loop
+    placement (chunk c of rank r is stage c*p + r)."""
+    from megatron_pp_ext.models import tiny_gpt
+
+    @functools.wraps(provider)
+    def build(*args, **kwargs):
+        from megatron.core import parallel_state
+        from megatron.training import get_args
+
+        model = provider(*args, **kwargs)
+        margs = get_args()
+        p = parallel_state.get_pipeline_model_parallel_world_size()
+        if getattr(model, "pipeline_stage", None) is None:
+            vp_stage = kwargs.get("vp_stage") or 0
+            model.pipeline_stage = vp_stage * p + parallel_state.get_pipeline_model_parallel_rank()
+            model.pipeline_num_stages = p * (margs.virtual_pipeline_model_parallel_size or 1)
+        cfg = tiny_gpt.TinyGPTConfig(
+            num_layers=margs.num_layers, hidden_size=margs.hidden_size,
+            num_attention_heads=margs.num_attention_heads, vocab_size=margs.padded_vocab_size,
+            seq_length=margs.seq_length, seed=SEED)
+        tiny_gpt.init_weights(model, cfg)
+        return model
+
+    return build
+
+
+def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None):
+    """Megatron's MockGPTDataset through BlendedMegatronDatasetBuilder, as pretrain_gpt.py
+    builds it with --mock-data; built on every rank and chunk (each chunk reads its own copy of
+    every microbatch, whatever stage it holds)."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import (
+        BlendedMegatronDatasetBuilder,
+    )
+    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, MockGPTDataset
+    from megatron.training import get_args, get_tokenizer
+
+    args = get_args()
+    config = GPTDatasetConfig(
+        random_seed=args.seed,
+        sequence_length=args.seq_length,
+        blend=None,
+        split="99,1,0",
+        tokenizer=get_tokenizer(),
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        create_attention_mask=True,
+        mid_level_dataset_surplus=0.005,
+    )
+    return BlendedMegatronDatasetBuilder(
+        MockGPTDataset, train_val_test_num_samples, lambda: True, config
+    ).build()
+
+
+train_valid_test_datasets_provider.is_distributed = True
+
+
+def _loss_func(loss_mask, output_tensor):
+    """pretrain_gpt.py's loss contract: (summed loss, tokens, {'lm loss': [sum, tokens]})."""
+    losses = output_tensor.float().view(-1)
+    mask = loss_mask.float().view(-1)
+    loss = torch.sum(losses * mask)
+    num_tokens = mask.sum().clone().detach().to(torch.int)
+    report = torch.cat([loss.clone().detach().view(1), num_tokens.float().view(1)])
+    return loss, num_tokens, {"lm loss": report}
+
+
+def forward_step(data_iterator, model):
+    """One microbatch: every chunk reads it (tokens, labels, mask, position ids)."""
+    batch = next(data_iterator)
+    output = model(
+        batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"]
+    )
+    return output, functools.partial(_loss_func, batch["loss_mask"])
+
+
+# --------------------------------------------------------------------------------------------
+# The spawn target
+# --------------------------------------------------------------------------------------------
+
+
+def run_pretrain(rank: int, world_size: int, argv: Sequence[str]) -> dict[str, Any]:
+    """Run ``pretrain()`` with ``argv`` on this rank; return what ``train_step`` returned each
+    iteration: {'lm loss': [...], 'grad_norm': [...], 'skipped': [...]} ('lm loss' only on the
+    last pipeline rank), and the forward_backward_func the loop used."""
+    apply_cpu_patches()
+    from megatron.core.enums import ModelType
+    from megatron.training import pretrain, training
+    from megatron.training.argument_utils import pretrain_cfg_container_from_args
+    from megatron.training.arguments import parse_and_validate_args
+
+    from megatron_pp_ext.integration.megatron_args import (
+        add_pipeline_schedule_args,
+        install_from_args,
+        model_provider_for_args,
+    )
+
+    history: dict[str, Any] = {"lm loss": [], "grad_norm": [], "skipped": [], "schedule": None}
+    original_train_step = training.train_step
+
+    def recording_train_step(*args, **kwargs):
+        out = original_train_step(*args, **kwargs)
+        loss_dict, skipped, grad_norm = out[0], out[1], out[5]
+        if "lm loss" in loss_dict:
+            history["lm loss"].append(float(loss_dict["lm loss"]))
+        history["grad_norm"].append(None if grad_norm is None else float(grad_norm))
+        history["skipped"].append(int(skipped))
+        fbf = kwargs.get("forward_backward_func", args[6] if len(args) > 6 else None)
+        history["schedule"] = getattr(fbf, "__qualname__", repr(fbf))
+        return out
+
+    training.train_step = recording_train_step  # observation only: records, changes nothing
+    sys.argv = ["pretrain_gpt.py", *argv]
+    args = parse_and_validate_args(extra_args_provider=add_pipeline_schedule_args)
+    install_from_args(args)
+    pretrain(
+        pretrain_cfg_container_from_args(args),
+        train_valid_test_datasets_provider,
+        ModelType.encoder_or_decoder,
+        forward_step,
+        model_provider=with_global_init(model_provider_for_args(model_provider, args)),
+    )
+    history["rank"] = rank
+    return history
+
+
+def merge_history(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One history from the ranks': the losses from whichever rank reported them (the last
+    pipeline rank of each data-parallel replica: they agree after Megatron's DP reduction),
+    the grad norm of rank 0 (every rank holds the same, reduced over all of them)."""
+    reporting = [r for r in results if r["lm loss"]]
+    assert reporting, "no rank reported a loss"
+    losses = reporting[0]["lm loss"]
+    for other in reporting[1:]:
+        assert other["lm loss"] == losses, (reporting[0]["rank"], other["rank"])
+    return {"lm loss": losses, "grad_norm": results[0]["grad_norm"],
+            "skipped": results[0]["skipped"], "schedule": results[0]["schedule"]}
