@@ -250,3 +250,56 @@ def test_cli_prints_the_checked_nccl_program():
         "(1RECV_F0)BATCH#0,WAIT#0,1F0,1B0,(1SEND_B0;1RECV_F1)BATCH#1,WAIT#1,1F1,1B1,"
         "(1SEND_B1)BATCH#2,WAIT#1,WAIT#2",
     ]
+
+
+# ------------------------------------------------------------------ variable shapes, timers
+def test_variable_shapes_add_a_header_batch_that_the_checker_sees():
+    """With variable sequence lengths every call first exchanges its shape headers in a batch
+    of its own and waits on it. GPipe at p=2, m=1 then hangs with Megatron's fused calls:
+    rank 0's fused (send 1F0; receive 0B0) cannot get B0's header before rank 1 has F0's
+    payload, which rank 0 posts only after the headers. Lockstep posting passes."""
+    schedule = build_schedule("gpipe", 2, 1)
+    check_nccl_rules(lower(schedule, MEGATRON))  # fixed shapes: fine
+    program = lower(schedule, MEGATRON, variable_shapes=True)
+    assert program.to_csv().splitlines()[0].startswith(
+        "0F0,(HEADER_0SEND_F0;HEADER_0RECV_B0)BATCH#0,WAIT#0,(0SEND_F0;0RECV_B0)BATCH#1")
+    with pytest.raises(ScheduleError, match="cycle: rank"):
+        check_nccl_rules(program)
+    assert nccl_posting(schedule, variable_shapes=True) is not None  # lockstep
+    check_nccl_rules(lower(schedule, LOCKSTEP, variable_shapes=True))
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_every_schedule_with_variable_shapes_runs_on_the_nccl_rules_fabric(name):
+    for p, m in ((2, 1), (2, 4), (3, 2), (4, 8)):
+        schedule = _build(name, p, m)
+        if schedule is None:
+            continue
+        grads, _ = gathered(run_inmemory(schedule, nccl_rules=True, variable_shapes=True,
+                                         timeout_s=20))
+        want, _ = reference_gradients(schedule.num_stages, m)
+        for stage, grad in want.items():
+            torch.testing.assert_close(grads[stage], grad, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", sorted(LOCKSTEP_SCHEDULES))
+def test_lockstep_posting_with_megatrons_timers(name):
+    """Megatron's timers (log level 2) time each call until its receive is waited on; a
+    lockstep program posts the next call of the same name before that, so there only the
+    post is timed (a timer started twice would assert)."""
+    from megatron.core.timers import Timers
+
+    from megatron_pp_ext.train.cpu_shims import cpu_shims
+
+    timers = [Timers(2, "minmax") for _ in range(4)]  # one per rank, as one per process
+    schedule = _build(name, 4, 8)
+    assert nccl_posting(schedule) is not None
+    with cpu_shims(force=True):  # Megatron's timers synchronize CUDA; no GPU here
+        grads, _ = gathered(run_inmemory(schedule, nccl_rules=True, timers=timers,
+                                         timeout_s=20))
+    want, _ = reference_gradients(schedule.num_stages, 8)
+    for stage, grad in want.items():
+        torch.testing.assert_close(grads[stage], grad, rtol=1e-12, atol=1e-12)
+    for rank_timers in timers:
+        assert any(timer.startswith(("forward-send", "backward-send", "forward-recv",
+                                     "backward-recv")) for timer in rank_timers._timers)

@@ -344,7 +344,7 @@ def _fused_calls_only(rank, world_size, runs):
     for every schedule (no lockstep rounds): its posting before lockstep existed."""
     from megatron_pp_ext.integration import forward_backward
 
-    forward_backward.RunState.nccl_posting = lambda self, schedule, rank: None
+    forward_backward.RunState.nccl_posting = lambda self, schedule, rank, *shape_mode: None
     return run_steps_under_rules(rank, world_size, runs)
 
 

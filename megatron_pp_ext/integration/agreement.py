@@ -213,8 +213,10 @@ def publish_failure(pp_group, rank: int, note: str) -> None:
     key = f"{_NOTE_PREFIX}{dist.get_rank()}"
 
     def write():
-        store.set(key, note)
-        store.add(_FAILURES, 1)  # after the note: a reader that sees the count sees the note
+        # numbered, so a watch can tell a note of this failure from one of an earlier,
+        # caught failure; a reader that sees the count before the note reads it next time
+        number = int(store.add(_FAILURES, 1))
+        store.set(key, f"{number}:{note}")
 
     _bounded(write)
 
@@ -227,25 +229,42 @@ def failures_published() -> int | None:
     return _bounded(lambda: int(store.add(_FAILURES, 0)))
 
 
-def peer_failure_watch(pp_group, rank: int):
-    """A transport ``watch`` for one step: raises ``PeerReported`` naming the first peer of
-    ``pp_group`` whose failure note appeared after the step began (notes of earlier, caught
-    failures do not count). One store read at the start of the step; None without a store."""
+def peer_failure_watch(pp_group, rank: int, baseline: int):
+    """A transport ``watch``: raises ``PeerReported`` naming the first peer of ``pp_group``
+    whose failure note is numbered above ``baseline`` (``failures_published()`` when the run
+    last went well: notes of earlier, caught failures do not count). Each call reads one
+    counter from the store, on a thread of its own; while a read is still out (a store that
+    does not answer), calls do nothing rather than pile up."""
     from ..runtime.errors import PeerReported
 
-    baseline = failures_published()
-    if baseline is None:
-        return None
+    reading: list = [None]  # the thread of the read still out, if any
 
     def watch() -> None:
-        now = failures_published()
-        if now is None or now <= baseline:
+        if reading[0] is not None and reading[0].is_alive():
             return
-        notes = peer_failures(pp_group, rank)
+        box: list = [None]
+
+        def read():
+            try:
+                box[0] = failures_published_now()
+            except Exception:  # noqa: BLE001 - a dead store must not mask the real wait
+                box[0] = None
+
+        reading[0] = threading.Thread(target=read, daemon=True, name="pp-failure-watch")
+        reading[0].start()
+        reading[0].join(_STORE_TIMEOUT_S)
+        if box[0] is None or box[0] <= baseline:
+            return
+        notes = peer_failures(pp_group, rank, newer_than=baseline)
         for peer in sorted(notes):
             raise PeerReported(peer, notes[peer])
 
     return watch
+
+
+def failures_published_now() -> int:
+    """``failures_published`` without the thread (for a caller that bounds it itself)."""
+    return int(_store().add(_FAILURES, 0))
 
 
 def _members(pp_group) -> list[int] | None:
@@ -277,8 +296,9 @@ def await_peer_note(pp_group, peer: int, within_s: float) -> bool:
     return bool(_bounded(wait, timeout_s=within_s + _STORE_TIMEOUT_S))
 
 
-def peer_failures(pp_group, rank: int) -> dict[int, str]:
-    """Failure notes of the other ranks of ``pp_group``: {pipeline rank: note}."""
+def peer_failures(pp_group, rank: int, newer_than: int | None = None) -> dict[int, str]:
+    """Failure notes of the other ranks of ``pp_group``: {pipeline rank: note}; with
+    ``newer_than``, only those numbered above it."""
     store, members = _store(), _members(pp_group)
     if store is None or members is None:
         return {}
@@ -288,7 +308,9 @@ def peer_failures(pp_group, rank: int) -> dict[int, str]:
         for pp_rank, global_rank in enumerate(members):
             key = f"{_NOTE_PREFIX}{global_rank}"
             if pp_rank != rank and store.check([key]):
-                notes[pp_rank] = store.get(key).decode(errors="replace")
+                number, _, note = store.get(key).decode(errors="replace").partition(":")
+                if newer_than is None or (number.isdigit() and int(number) > newer_than):
+                    notes[pp_rank] = note
         return notes
 
     return _bounded(read) or {}

@@ -66,6 +66,9 @@ class RunState:
     planned: set = field(default_factory=set)
     #: schedule="auto": what was measured and chosen (reset when the options change)
     auto: AutoSchedule | None = None
+    #: NCCL: failure notes published when the run last went well (read again after a failed
+    #: step); a wait stops on a peer's note numbered above it
+    failure_baseline: int | None = None
     #: per schedule: what the executor derives from it once (the messages each peer sends
     #: this rank, the NCCL posting); the schedule object is kept beside them, so an id is
     #: never reused while cached
@@ -82,13 +85,14 @@ class RunState:
         return self._derived(("incoming", rank), schedule,
                              lambda: incoming_messages(schedule, rank))
 
-    def nccl_posting(self, schedule: Schedule, rank: int):
+    def nccl_posting(self, schedule: Schedule, rank: int, variable_shapes: bool = False):
         """This rank's lockstep posting on NCCL, or None for Megatron's fused calls; the
-        lowered program is checked against NCCL's rules once per schedule (ScheduleError,
-        before any byte moves, if it could hang)."""
+        lowered program is checked against NCCL's rules once per schedule and shape mode
+        (ScheduleError, before any byte moves, if it could hang)."""
         from ..runtime.lowering import nccl_posting
 
-        postings = self._derived(("nccl",), schedule, lambda: nccl_posting(schedule))
+        postings = self._derived(("nccl", variable_shapes), schedule,
+                                 lambda: nccl_posting(schedule, variable_shapes))
         return None if postings is None else postings[rank]
 
     def _derived(self, what: tuple, schedule: Schedule, derive):
@@ -337,8 +341,8 @@ def run_step(
     pipeline_dtype = config.pipeline_dtype or torch.float32
     transport = _transport_for(pp_group)
     # NCCL: how this rank posts (checked against NCCL's rules before anything is sent)
-    lockstep = (state.nccl_posting(schedule, rank) if getattr(transport, "batched", False)
-                else None)
+    lockstep = (state.nccl_posting(schedule, rank, variable)
+                if getattr(transport, "batched", False) else None)
     first_timeout, later_timeout = options.timeouts(device_helper.group_timeout_s(pp_group))
     _first_step_checks(state, options, schedule, pp_group, rank, forward_only, recv_shape,
                        pipeline_dtype, variable, transport.device, first_timeout)
@@ -372,7 +376,10 @@ def run_step(
                         incoming=state.incoming(schedule, rank), lockstep=lockstep)
     transport.timeout_s = timeout  # its own waits inside a call (shape headers) too
     if transport.poll:  # NCCL: a peer that fails and says so stops this rank's waits at once
-        transport.watch = agreement.peer_failure_watch(pp_group, rank)
+        if state.failure_baseline is None:
+            state.failure_baseline = agreement.failures_published()
+        transport.watch = (None if state.failure_baseline is None else
+                           agreement.peer_failure_watch(pp_group, rank, state.failure_baseline))
     measuring = auto is not None and auto.measuring and not forward_only
     memory_probe = device_helper.start_memory_probe(transport.device) if measuring else None
     try:
@@ -382,12 +389,15 @@ def run_step(
         else:
             result = executor.run()
     except PipelineTimeoutError as exc:
+        state.failure_baseline = None  # a later step counts only failures after this one
         agreement.explain_failure(exc, pp_group, rank)  # tell the peers, hear theirs
         device_helper.abort_group(pp_group)  # NCCL: leave no rank blocked in a dead op
         raise
     except Exception as exc:  # e.g. a tensor of the wrong shape refused before sending
         # tell the peers at once: on NCCL they would otherwise sit out their timeout
+        state.failure_baseline = None
         agreement.publish_failure(pp_group, rank, agreement.failure_note(exc, rank))
+        device_helper.abort_group(pp_group)  # NCCL: this rank's posted batches never finish
         raise
     grad_sync.finish()
     if weight_split is not None:

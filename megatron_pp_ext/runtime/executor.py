@@ -282,6 +282,9 @@ class Executor:
         name = call_name(send_message if send is not None else None, *recvs)
         self._calls[name] += 1
         timer = MEGATRON_TIMERS.get(name) if self.timers is not None else None
+        # Megatron's timer of a call runs until its receive is waited on; a lockstep program
+        # posts the next call of the same name before that, so there only the post is timed.
+        time_post_only = self.lockstep is not None
         if timer is not None:
             self.timers(timer, log_level=2).start()
         requests = [RecvRequest(m.peer, self.recv_shape, self.dtype, self.device)
@@ -300,9 +303,9 @@ class Executor:
             raise
         for message, handle in zip(recvs, recv_handles):
             self._inbox.posted(message, handle)
-            if timer is not None:
+            if timer is not None and not time_post_only:
                 self.open_timers[message] = timer
-        if timer is not None and not recvs:
+        if timer is not None and (time_post_only or not recvs):
             self.timers(timer).stop()
         return send_handle
 

@@ -76,18 +76,32 @@ class _Recorder:
 
     def exchange_many(self, send, recvs, variable_shapes: bool):
         send_message, recv_messages = self.labels
-        ops = []
-        if send is not None:
-            ops.append(P2POp(SEND, send[1], _label(send_message),
-                             _torch_name(send_message, SEND)))
-        ops.extend(P2POp(RECV, request.peer, _label(message), _torch_name(message, RECV))
-                   for request, message in zip(recvs, recv_messages))
-        index = self.batches
-        self.batches += 1
-        self.steps.append(Post(Batch(self.rank, index, ops, call_name(
-            send_message if send is not None else None, *recv_messages))))
+        name = call_name(send_message if send is not None else None, *recv_messages)
+        if variable_shapes:
+            # The transport's NCCL path: the shape headers in a batch of their own, waited
+            # on (inside the call) before the payload batch is posted.
+            header = self._post(self._ops(send, recvs, "shape of "), f"{name} (shapes)")
+            self.steps.append(Wait(header, "the shape headers"))
+        index = self._post(self._ops(send, recvs), name)
         return (_Handle(self, index) if send is not None else None,
                 [_Handle(self, index, _TOKEN.clone()) for _ in recvs])
+
+    def _ops(self, send, recvs, what: str = "") -> list[P2POp]:
+        send_message, recv_messages = self.labels
+        ops = []
+        if send is not None:
+            ops.append(P2POp(SEND, send[1], what + _label(send_message),
+                             ("HEADER_" if what else "") + _torch_name(send_message, SEND)))
+        ops.extend(P2POp(RECV, request.peer, what + _label(message),
+                         ("HEADER_" if what else "") + _torch_name(message, RECV))
+                   for request, message in zip(recvs, recv_messages))
+        return ops
+
+    def _post(self, ops: list[P2POp], call: str) -> int:
+        index = self.batches
+        self.batches += 1
+        self.steps.append(Post(Batch(self.rank, index, ops, call)))
+        return index
 
 
 class _NoWork:
@@ -119,36 +133,39 @@ class _LabellingExecutor(Executor):
 MEGATRON, LOCKSTEP = "megatron", "lockstep"  # the executor's two ways of posting on NCCL
 
 
-def lower(schedule: Schedule, posting: str = MEGATRON) -> Program:
+def lower(schedule: Schedule, posting: str = MEGATRON,
+          variable_shapes: bool = False) -> Program:
     """The executor's P2P program for ``schedule`` on NCCL (see the module docstring):
     ``megatron`` posting fuses a send with the next receive going the other way, as
-    Megatron's 1F1B does; ``lockstep`` posts one batch per round (``lockstep_posting``)."""
+    Megatron's 1F1B does; ``lockstep`` posts one batch per round (``lockstep_posting``).
+    ``variable_shapes``: every call first exchanges its shape headers in a batch of its own
+    and waits on it, as the transport does on NCCL."""
     program = Program(f"schedule {schedule.name} (p={schedule.num_ranks}, "
                       f"m={schedule.num_microbatches}, v={schedule.chunks}, {posting} "
-                      "posting)")
+                      f"posting{', variable shapes' if variable_shapes else ''})")
     postings = lockstep_postings(schedule) if posting == LOCKSTEP else None
     incoming = sent_to_each_rank(schedule)
     for rank in range(schedule.num_ranks):
         recorder = _Recorder(rank)
         _LabellingExecutor(schedule, rank, recorder, _NoWork(recorder), recv_shape=None,
                            dtype=torch.float32, device=torch.device("cpu"),
-                           incoming=incoming[rank],
+                           variable_shapes=variable_shapes, incoming=incoming[rank],
                            lockstep=postings[rank] if postings else None).run()
         program.steps.append(recorder.steps)
     return program
 
 
-def nccl_posting(schedule: Schedule) -> dict[int, object] | None:
+def nccl_posting(schedule: Schedule, variable_shapes: bool = False) -> dict[int, object] | None:
     """How the executor posts ``schedule`` on NCCL: None for Megatron's fused calls where
     NCCL's rules allow them (1F1B, GPipe, ZB-H1: every call and timer as Megatron's), else
     each rank's lockstep posting. Raises ``ScheduleError`` (naming the ranks, the ops and
     the cycle) if neither program passes ``check_nccl_rules``: before any byte moves."""
     try:
-        check_nccl_rules(lower(schedule, MEGATRON))
+        check_nccl_rules(lower(schedule, MEGATRON, variable_shapes))
         return None
     except ScheduleError:
         pass
-    check_nccl_rules(lower(schedule, LOCKSTEP))
+    check_nccl_rules(lower(schedule, LOCKSTEP, variable_shapes))
     return dict(enumerate(lockstep_postings(schedule)))
 
 

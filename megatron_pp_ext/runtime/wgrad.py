@@ -120,8 +120,9 @@ def deferring_linear_backward():
         with _patch_lock:
             _patch_users -= 1
             if _patch_users == 0:
+                # _original_backward stays set: a thread may be between reading the class's
+                # backward (ours) and calling the original
                 _linear_function().backward = _original_attribute
-                _original_backward = _original_attribute = None
 
 
 def _te_delayed_modules(model_chunk) -> list:
@@ -194,7 +195,9 @@ class WeightGradSplit:
     def backward_input(self, action: Action, input_tensor, output, output_grad, config):
         from megatron.core.pipeline_parallel.schedules import backward_step
 
-        with self.capturing(action):
+        # On the calling thread: the capture is thread-local, and autograd would run a CUDA
+        # backward on its device threads, where no W task would be queued.
+        with self.capturing(action), torch.autograd.set_multithreading_enabled(False):
             return backward_step(input_tensor, output, output_grad, config)
 
     def backward_weight(self, action: Action, chunk: int | None = None) -> None:

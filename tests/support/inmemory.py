@@ -39,22 +39,25 @@ class RecordingWork(EmulatedStageWork):
 
 
 def run_inmemory(schedule, delays=None, costs: EmulatedCosts | None = None, timeout_s=20.0,
-                 trace=False, nccl_rules=False):
+                 trace=False, nccl_rules=False, variable_shapes=False, timers=None):
     """Returns per rank: (StepResult, RecordingWork). ``nccl_rules``: over the fabric that
-    enforces NCCL's rules (support.nccl_fabric), posting as the executor does on NCCL."""
+    enforces NCCL's rules (support.nccl_fabric), posting as the executor does on NCCL.
+    ``timers``: one Megatron ``Timers`` per rank (a process has its own; threads must not
+    share one)."""
     weights = stage_weights(schedule.num_stages, WIDTH)
     inputs = microbatch_inputs(schedule.num_microbatches, ROWS, WIDTH)
     fabric, posting = None, None
     if nccl_rules:
         fabric = NcclRulesFabric(schedule.num_ranks)
-        posting = nccl_posting(schedule)
+        posting = nccl_posting(schedule, variable_shapes)
 
     def rank_fn(rank, transport):
         delay = delays[rank] if delays else 0.0
         work = RecordingWork(schedule, rank, weights, inputs, costs=costs, delay=delay)
         executor = Executor(schedule, rank, transport, work, recv_shape=(ROWS, WIDTH),
                             dtype=torch.float64, device=torch.device("cpu"),
-                            timeout_s=timeout_s, trace=trace,
+                            timeout_s=timeout_s, trace=trace, variable_shapes=variable_shapes,
+                            timers=timers[rank] if timers else None,
                             lockstep=posting[rank] if posting else None)
         return executor.run(), work
 

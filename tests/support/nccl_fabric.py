@@ -156,7 +156,21 @@ class NcclRulesTransport:
             send, [recv] if recv is not None else [], variable_shapes)
         return send_handle, (recv_handles[0] if recv_handles else None)
 
+    timeout_s = 60.0  # the header batch's wait inside a call (the drop-in sets it per step)
+
     def exchange_many(self, send, recvs: list[RecvRequest], variable_shapes: bool):
+        if variable_shapes:
+            # As the transport on NCCL: the shapes in a batch of their own, waited on before
+            # the payload batch is posted.
+            header = _Batch(self.rank)
+            if send is not None:
+                shape = torch.tensor(list(send[0].shape))
+                header.ops.append(_Op(header, "send", send[1], tensor=shape))
+            for request in recvs:
+                header.ops.append(_Op(header, "recv", request.peer, request=RecvRequest(
+                    request.peer, None, torch.int64, request.device)))
+            self.fabric.post(header)
+            self.fabric.wait_batch(header, self.timeout_s)
         batch = _Batch(self.rank)
         if send is not None:
             tensor, peer = send
