@@ -10,7 +10,9 @@ where you would use pretrain_gpt.py; every pretrain_gpt.py argument works, plus 
         [--pp-p2p-timeout-s S] [--pp-trace] [--pp-schedule-chunks V]
 
     --pipeline-schedule interleaved   also needs --num-virtual-stages-per-pipeline-rank V (V >= 2)
-    --pipeline-schedule zb-v|dualpipev also needs --num-virtual-stages-per-pipeline-rank 2
+    --pipeline-schedule zb-v|dualpipev also needs --num-virtual-stages-per-pipeline-rank 2 and
+                                       --untie-embeddings-and-output-weights; the script then
+                                       builds the V layout from the same GPT config
 
 Instead of --pipeline-schedule you may set MEGATRON_PP_SCHEDULE=<name> in the environment (the
 flag wins). With neither, Megatron's own schedule runs, exactly as with pretrain_gpt.py.
@@ -45,6 +47,7 @@ def main():
         add_pipeline_schedule_args,
         chain_args_providers,
         install_from_args,
+        pretrain_model_for_args,
     )
 
     set_startup_timestamps(
@@ -68,11 +71,16 @@ def main():
         model_cfg = gpt_config_from_args(args, model_config_cls=gpt.ModelOptModelConfig)
     else:
         model_cfg = gpt_config_from_args(args)
+    # zb-v / dualpipev: a provider that builds V-layout chunks from the same GPT config
+    cfg_container, model_provider = pretrain_model_for_args(
+        pretrain_cfg_container_from_args(args, model_cfg), args
+    )
     run_pretrain(
-        pretrain_cfg_container_from_args(args, model_cfg),
+        cfg_container,
         gpt.train_valid_test_datasets_provider,
         ModelType.encoder_or_decoder,
         gpt.forward_step,
+        model_provider=model_provider,
         store=store,
         get_embedding_ranks=gpt.get_embedding_ranks,
     )

@@ -79,8 +79,8 @@ CASES = [
     ("zb-h1", None, False, "1f1b", True),
     ("zb-h2", None, False, "1f1b", True),
     ("auto", None, False, "1f1b", True),
-    ("zb-v", 2, False, "1f1b", False),
-    ("dualpipev", 2, False, "1f1b", False),
+    ("zb-v", 2, True, "1f1b", False),
+    ("dualpipev", 2, True, "1f1b", False),
 ]
 
 

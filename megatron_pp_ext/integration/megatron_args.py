@@ -140,6 +140,12 @@ def schedule_options_from_args(args: Any) -> dict | None:
         need = 2
         how = ("add --num-virtual-stages-per-pipeline-rank 2: the V layout puts stages r and "
                "2p-1-r on rank r, two chunks per rank")
+        if getattr(args, "untie_embeddings_and_output_weights", True) is False:
+            raise ValueError(
+                f"--pipeline-schedule {name} puts the embedding and the output layer on rank 0 "
+                "(V layout), but tied embeddings are synchronized between the first and the last "
+                "pipeline rank: add --untie-embeddings-and-output-weights"
+            )
     elif spec.allowed_chunks(1):
         need, how = 1, f"remove {_VP_FLAGS} (or use --pipeline-schedule interleaved)"
     else:  # several chunks per rank in the loop layout (interleaved)
@@ -323,3 +329,35 @@ def model_provider_for_args(model_provider, args: Any):
     if model_provider is None or not uses_v_layout(args):
         return model_provider
     return v_layout_model_provider(model_provider)
+
+
+def model_provider_from_config(model_config):
+    """A Megatron-LM model provider (``pre_process, post_process, vp_stage, config,
+    pg_collection``) that builds one chunk with the builder of ``model_config`` (a
+    ``megatron.training`` ModelConfig, e.g. ``gpt_config_from_args(args)``: the GPT spec
+    ``pretrain_gpt.py`` trains)."""
+    builder = model_config.get_builder_cls()(model_config)
+
+    def provider(pre_process=True, post_process=True, vp_stage=None, config=None,
+                 pg_collection=None):
+        if pg_collection is None:
+            from megatron.core.process_groups_config import ProcessGroupCollection
+
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+        return builder.build_model(pg_collection, pre_process=pre_process,
+                                   post_process=post_process, vp_stage=vp_stage)
+
+    return provider
+
+
+def pretrain_model_for_args(cfg_container, args: Any):
+    """``(cfg_container, model_provider)`` to pass to ``pretrain()``. Unchanged (Megatron builds
+    from ``cfg_container.model``, no provider) unless ``--pipeline-schedule`` is a V-layout
+    schedule: then the provider builds V-layout chunks from the same model config
+    (:func:`v_layout_model_provider` over :func:`model_provider_from_config`) and
+    ``cfg_container.model`` is set to None, so ``pretrain()`` takes the provider."""
+    if not uses_v_layout(args) or getattr(cfg_container, "model", None) is None:
+        return cfg_container, None
+    provider = v_layout_model_provider(model_provider_from_config(cfg_container.model))
+    cfg_container.model = None
+    return cfg_container, provider

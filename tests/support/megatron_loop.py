@@ -14,12 +14,13 @@ argument group, as ``scripts/pretrain_gpt_pp.py`` adds it), installs the schedul
 model provider and a ``MockGPTDataset`` provider. ``train_step`` is wrapped only to *record*
 what it returns (the reduced losses and the grad norm); everything else is Megatron's.
 
-The model provider builds Megatron's ``GPTModel`` from the local layer spec (the same spec
-whatever the schedule) and fills every parameter from its *global* name
-(``tiny_gpt.init_weights``), so Megatron's 1F1B, its interleaved schedule and the V layout of
-``zb-v`` / ``dualpipev`` all start from the same weights and can be compared. With a V-layout
-schedule it builds chunk c of rank r as stage ``r`` (c = 0) or ``2p-1-r`` (c = 1)
-(``megatron_args.v_layout_model_provider``).
+The model is Megatron's own GPT (``gpt_config_from_args(args)`` and its builder, the spec
+``pretrain_gpt.py`` trains), handed to ``pretrain()`` through
+``megatron_args.pretrain_model_for_args`` exactly as ``scripts/pretrain_gpt_pp.py`` does: with
+``--pipeline-schedule zb-v`` or ``dualpipev`` it builds chunk c of rank r as stage ``r``
+(c = 0) or ``2p-1-r`` (c = 1). :func:`with_global_init` then fills every parameter from its
+*global* name (``tiny_gpt.init_weights``), so Megatron's 1F1B, its interleaved schedule and the
+V layout all start from the same weights and can be compared.
 
 CPU patches (``apply_cpu_patches``): each one is here, in the tests' support code, because
 Megatron-LM's loop assumes CUDA there; the plugin's runtime needs none of them. Each entry of
@@ -39,7 +40,7 @@ __all__ = [
     "run_pretrain",
     "merge_history",
     "apply_cpu_patches",
-    "model_provider",
+    "with_global_init",
     "train_valid_test_datasets_provider",
     "forward_step",
 ]
@@ -108,8 +109,6 @@ def _cpu_module_cuda(self, device=None):
     return self
 
 
-_FACTORIES = ("tensor", "zeros", "ones", "empty", "full", "arange")
-
 _CUDA_TYPE_NAMES = {
     "torch.FloatTensor": "torch.cuda.FloatTensor",
     "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor",
@@ -129,7 +128,6 @@ def _patch_table() -> list[tuple[Any, str, Any, str]]:
     """(owner, attribute, replacement, why): the CPU patches Megatron-LM's loop needs."""
     from megatron.core.datasets import utils as dataset_utils
     from megatron.training import initialize, training
-    from megatron.training.utils import common_utils
 
     from megatron_pp_ext.train.cpu_shims import _on_cpu
 
@@ -141,17 +139,17 @@ def _patch_table() -> list[tuple[Any, str, Any, str]]:
          "initialize sees torch.cuda.device_count() == 0 and then skips initialize_model_parallel"),
         (training, "set_jit_fusion_options", lambda *a, **k: None,
          "set_jit_fusion_options warms up fused kernels on CUDA tensors"),
-        *[(torch, name, _on_cpu(getattr(torch, name)),
-           "the loop, the rerun state machine and the loss reporting make flags, timestamps "
-           "and counters with device='cuda'") for name in _FACTORIES],
+        (torch, "tensor", _on_cpu(torch.tensor),
+         "the loop, the rerun state machine and the loss reporting make flags, timestamps and "
+         "counters with torch.tensor(..., device='cuda')"),
         (torch.Tensor, "cuda", _cpu_tensor_cuda,
-         "get_batch and the loop move tensors with .cuda(): keep them on the CPU"),
+         "the loop moves tensors with .cuda(): keep them on the CPU"),
         (torch.nn.Module, "cuda", _cpu_module_cuda,
          "get_model moves each model chunk with .cuda(current_device)"),
         (torch.cuda, "Stream", lambda *a, **k: _NullStreamCtx(),
-         "get_model wraps DDP construction in a side CUDA stream"),
+         "get_model builds DDP on a side CUDA stream (a CPU stand-in, also a context manager)"),
         (torch.cuda, "stream", lambda *a, **k: _NullStreamCtx(),
-         "get_model enters torch.cuda.stream(side stream)"),
+         "... entered with torch.cuda.stream(side stream)"),
         (torch.Tensor, "type", _cuda_named_type,
          "clip_grads and the distributed optimizer assert torch.cuda.* tensor type names"),
         (dataset_utils, "compile_helpers", lambda: None,
@@ -159,8 +157,6 @@ def _patch_table() -> list[tuple[Any, str, Any, str]]:
          "and no Makefile"),
         (torch.cuda, "get_rng_state", lambda *a, **k: torch.empty(0, dtype=torch.uint8),
          "the rerun state machine saves the CUDA RNG state every step (no CUDA RNG here)"),
-        (torch.cuda, "set_rng_state", lambda *a, **k: None,
-         "... and restores it"),
     ]
 
 
@@ -224,32 +220,6 @@ def apply_cpu_patches() -> None:
 # --------------------------------------------------------------------------------------------
 # Providers: model, data, forward step
 # --------------------------------------------------------------------------------------------
-
-
-def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None,
-                   pg_collection=None):
-    """Megatron's GPTModel from the local layer spec, as pretrain_gpt.py builds it with
-    --transformer-impl local (weights: see :func:`with_global_init`)."""
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.training import get_args
-    from megatron.training.argument_utils import core_transformer_config_from_args
-
-    args = get_args()
-    if config is None:
-        config = core_transformer_config_from_args(args)
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(),
-        vocab_size=args.padded_vocab_size,
-        max_sequence_length=args.max_position_embeddings,
-        pre_process=pre_process,
-        post_process=post_process,
-        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-        position_embedding_type=args.position_embedding_type,
-        vp_stage=vp_stage,
-    )
-    return model
 
 
 def with_global_init(provider):
@@ -342,13 +312,17 @@ def run_pretrain(rank: int, world_size: int, argv: Sequence[str]) -> dict[str, A
     apply_cpu_patches()
     from megatron.core.enums import ModelType
     from megatron.training import pretrain, training
-    from megatron.training.argument_utils import pretrain_cfg_container_from_args
+    from megatron.training.argument_utils import (
+        gpt_config_from_args,
+        pretrain_cfg_container_from_args,
+    )
     from megatron.training.arguments import parse_and_validate_args
 
     from megatron_pp_ext.integration.megatron_args import (
         add_pipeline_schedule_args,
         install_from_args,
-        model_provider_for_args,
+        model_provider_from_config,
+        pretrain_model_for_args,
     )
 
     history: dict[str, Any] = {"lm loss": [], "grad_norm": [], "skipped": [], "schedule": None}
@@ -369,12 +343,19 @@ def run_pretrain(rank: int, world_size: int, argv: Sequence[str]) -> dict[str, A
     sys.argv = ["pretrain_gpt.py", *argv]
     args = parse_and_validate_args(extra_args_provider=add_pipeline_schedule_args)
     install_from_args(args)
+    # The model: Megatron's GPT builder from the arguments (the spec pretrain_gpt.py trains),
+    # through pretrain_model_for_args as scripts/pretrain_gpt_pp.py calls it (V layout for
+    # zb-v / dualpipev), as a provider so that with_global_init can fill the weights.
+    cfg, provider = pretrain_model_for_args(
+        pretrain_cfg_container_from_args(args, gpt_config_from_args(args)), args)
+    if provider is None:
+        provider, cfg.model = model_provider_from_config(cfg.model), None
     pretrain(
-        pretrain_cfg_container_from_args(args),
+        cfg,
         train_valid_test_datasets_provider,
         ModelType.encoder_or_decoder,
         forward_step,
-        model_provider=with_global_init(model_provider_for_args(model_provider, args)),
+        model_provider=with_global_init(provider),
     )
     history["rank"] = rank
     return history
