@@ -32,7 +32,7 @@ from megatron.core.pipeline_parallel.schedules import (
 from megatron.core.utils import get_model_config
 
 from .. import device as device_helper
-from ..ir import Schedule
+from ..ir import Schedule, ScheduleError
 from ..runtime import trace as tracing
 from ..runtime.errors import PipelineTimeoutError
 from ..runtime.executor import Executor, StepResult
@@ -160,8 +160,21 @@ def schedule_for(options: PipelineOptions, p: int, m: int, num_chunks: int, forw
             and getattr(config, "microbatch_group_size_per_vp_stage", None)):
         builder_options["microbatch_group_size_per_vp_stage"] = (
             config.microbatch_group_size_per_vp_stage)
+    if spec.name == "interleaved":
+        group = builder_options.get("microbatch_group_size_per_vp_stage") or p
+        if p <= group <= m and 0 < m % group < p:
+            raise MicrobatchGroupError(
+                f"interleaved: m={m} mod microbatch_group_size_per_vp_stage={group} is "
+                f"{m % group}: it must be 0 or >= p={p} (Megatron's rule); pick m as a "
+                f"multiple of {group}")
     return _cached_schedule(options.schedule, p, m, v, forward_only,
                             tuple(sorted(builder_options.items())))
+
+
+class MicrobatchGroupError(ScheduleError, RuntimeError):
+    """Megatron's interleaved schedule raises RuntimeError when the last microbatch group is
+    shorter than p; code written for it (Megatron-LM's own test_schedules.py) catches that.
+    Ours is a ScheduleError (a ValueError, like every bad input) and a RuntimeError."""
 
 
 def shape_decoder_seq_length(num_chunks: int, decoder_seq_length: int | None) -> int | None:
@@ -308,7 +321,6 @@ def run_step(
     outputs of the loss function (``[]`` on the other ranks), as Megatron does."""
     options = state.options
     models = model if isinstance(model, list) else [model]
-    iterators = _as_list(data_iterator, "data_iterator", len(models))
     config = get_model_config(models[0])
 
     if pg_collection is None:
@@ -327,6 +339,9 @@ def run_step(
         options, extra_options = auto.options_for_step(options, models, pp_group)
     schedule = schedule_for(options, p, num_microbatches, len(models), forward_only, config,
                             extra_options)
+    # after the schedule's own checks, as Megatron's interleaved schedule checks the
+    # microbatches before it reads the iterators
+    iterators = _as_list(data_iterator, "data_iterator", len(models))
     last_stage_here = schedule.rank_of(schedule.num_stages - 1) == rank
     check_chunk_placement(schedule, rank, models)  # a few attribute reads
 

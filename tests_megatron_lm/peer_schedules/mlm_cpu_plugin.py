@@ -140,9 +140,15 @@ def pytest_runtest_logreport(report):
         entry["error"] = (report.longreprtext or "")[-3000:]
     elif report.skipped and report.when in ("setup", "call"):
         entry["outcome"] = "skipped"
+    if report.when == "teardown":
+        _write_results()  # after every test: a run killed later keeps what finished
 
 
 def pytest_sessionfinish(session, exitstatus):
+    _write_results()
+
+
+def _write_results():
     out = os.environ.get("MLM_PEER_OUT")
     if out:
         rank = os.environ.get("RANK", "0")
