@@ -44,10 +44,12 @@ def main():
     from megatron.training.arguments import parse_and_validate_args
 
     from megatron_pp_ext.integration.megatron_args import (
+        adapt_pretrain_gpt_for_v_layout,
         add_pipeline_schedule_args,
         chain_args_providers,
         install_from_args,
         pretrain_model_for_args,
+        uses_v_layout,
     )
 
     set_startup_timestamps(
@@ -71,7 +73,10 @@ def main():
         model_cfg = gpt_config_from_args(args, model_config_cls=gpt.ModelOptModelConfig)
     else:
         model_cfg = gpt_config_from_args(args)
-    # zb-v / dualpipev: a provider that builds V-layout chunks from the same GPT config
+    # zb-v / dualpipev: a provider that builds V-layout chunks from the same GPT config, and
+    # get_batch / the dataset provider asked which chunks read data in the V layout
+    if uses_v_layout(args):
+        adapt_pretrain_gpt_for_v_layout(gpt)
     cfg_container, model_provider = pretrain_model_for_args(
         pretrain_cfg_container_from_args(args, model_cfg), args
     )
