@@ -98,3 +98,33 @@ def test_pipeline_schedule_flag_matches_megatron(
     else:
         assert out["lm loss"] == pytest.approx(ref["lm loss"], rel=FP32_RTOL)
         assert out["grad_norm"] == pytest.approx(ref["grad_norm"], rel=FP32_RTOL)
+
+
+# ------------------------------------------------------------------ V layout plumbing (pure)
+
+
+def test_v_layout_plumbing_from_arguments():
+    from argparse import Namespace
+
+    from megatron_pp_ext.integration import megatron_args
+
+    assert [[megatron_args.v_chunk_stage(r, 4, c) for c in (0, 1)] for r in range(4)] == [
+        [0, 7], [1, 6], [2, 5], [3, 4]
+    ]
+    args = Namespace(pipeline_schedule="zb-v", pipeline_model_parallel_size=2,
+                     virtual_pipeline_model_parallel_size=2,
+                     untie_embeddings_and_output_weights=False)
+    with pytest.raises(ValueError, match="--untie-embeddings-and-output-weights"):
+        megatron_args.schedule_options_from_args(args)
+    args.untie_embeddings_and_output_weights = True
+    assert megatron_args.schedule_options_from_args(args)["schedule"] == "zb-v"
+
+    def provider(**kwargs):
+        return kwargs
+
+    assert megatron_args.uses_v_layout(args)
+    assert megatron_args.model_provider_for_args(provider, args).v_layout
+    for name in ("1f1b", "interleaved", "auto", None):
+        args.pipeline_schedule = name
+        assert not megatron_args.uses_v_layout(args)
+        assert megatron_args.model_provider_for_args(provider, args) is provider
