@@ -105,10 +105,6 @@ def _cpu_tensor_cuda(self, device=None, non_blocking=False, **kwargs):
     return self
 
 
-def _cpu_module_cuda(self, device=None):
-    return self
-
-
 _CUDA_TYPE_NAMES = {
     "torch.FloatTensor": "torch.cuda.FloatTensor",
     "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor",
@@ -143,13 +139,9 @@ def _patch_table() -> list[tuple[Any, str, Any, str]]:
          "the loop, the rerun state machine and the loss reporting make flags, timestamps and "
          "counters with torch.tensor(..., device='cuda')"),
         (torch.Tensor, "cuda", _cpu_tensor_cuda,
-         "the loop moves tensors with .cuda(): keep them on the CPU"),
-        (torch.nn.Module, "cuda", _cpu_module_cuda,
-         "get_model moves each model chunk with .cuda(current_device)"),
+         "get_model moves each model chunk with .cuda(current_device), i.e. Tensor.cuda('cpu')"),
         (torch.cuda, "Stream", lambda *a, **k: _NullStreamCtx(),
-         "get_model builds DDP on a side CUDA stream (a CPU stand-in, also a context manager)"),
-        (torch.cuda, "stream", lambda *a, **k: _NullStreamCtx(),
-         "... entered with torch.cuda.stream(side stream)"),
+         "get_model builds DDP on a side CUDA stream (a CPU stand-in)"),
         (torch.Tensor, "type", _cuda_named_type,
          "clip_grads and the distributed optimizer assert torch.cuda.* tensor type names"),
         (dataset_utils, "compile_helpers", lambda: None,
@@ -161,7 +153,7 @@ def _patch_table() -> list[tuple[Any, str, Any, str]]:
 
 
 class _NullStreamCtx:
-    """A CUDA stream stand-in that is also a context manager (torch.cuda.stream(s))."""
+    """A CUDA stream stand-in for torch.cuda.Stream() and torch.cuda.stream(s)."""
 
     device = torch.device("cpu")
 
