@@ -14,15 +14,18 @@ from megatron.core.pipeline_parallel.schedules import (
     forward_step,
 )
 
-from ..ir import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action, Schedule
+from ..ir import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action, Schedule
 
 
 class GradSync:
     """Megatron's no_sync / grad_sync_func / param_sync_func protocol, driven by actions.
 
     One chunk: as ``forward_backward_pipelining_without_interleaving`` (grad sync enabled
-    before the last weight-gradient action when there is no grad_sync_func or this is the
-    first stage; the rest at the end). Several chunks: as the interleaved schedule (each
+    before the last backward, B or I, when there is no grad_sync_func or this is the first
+    stage; the rest at the end). With the I/W split the parameters whose gradients I computes
+    (biases, norms, embeddings) get their last microbatch's gradient there, so sync must be on
+    from that I: Megatron DDP counts each parameter's grad-ready calls in the first step and
+    expects the same counts after (the W's that follow count too). Several chunks: as the interleaved schedule (each
     chunk's sync at its last weight-gradient action, no_sync re-entered after every one).
     """
 
@@ -51,6 +54,11 @@ class GradSync:
         self.last_weight_action: dict[int, Action] = {}
         for action in self.weight_actions:
             self.last_weight_action[schedule.chunk_of(action.stage)] = action
+        # one chunk: where grad sync is turned on (the last B or I; see the class docstring)
+        self.last_backward_action: Action | None = None
+        for action in schedule.actions[rank]:
+            if action.kind in (BACKWARD, BACKWARD_INPUT):
+                self.last_backward_action = action
         self.weight_done = 0
         self.first_forward_seen: set[int] = set()
 
@@ -83,13 +91,14 @@ class GradSync:
                 self.first_forward_seen.add(chunk)
                 self.param_sync[chunk](self.chunks[chunk].parameters())
             return
+        if not self.multi:
+            if action == self.last_backward_action and (self.grad_sync is None
+                                                        or action.stage == 0):
+                self.enable()
+            return
         if self.last_weight_action.get(chunk) != action:
             return
-        if not self.multi:
-            first_stage = action.stage == 0
-            if self.grad_sync is None or first_stage:
-                self.enable()
-        elif self.grad_sync is None:
+        if self.grad_sync is None:
             self.enable()
             self.synced.add(chunk)
 
