@@ -173,8 +173,12 @@ def _store():
         return None
 
 
-def _bounded(fn, timeout_s: float = _STORE_TIMEOUT_S):
-    """``fn()`` on a daemon thread; its result, or None if it raised or did not finish."""
+def _bounded(fn, timeout_s: float = _STORE_TIMEOUT_S, slot: list | None = None):
+    """``fn()`` on a daemon thread; its result, or None if it raised or did not finish. With
+    ``slot`` (a one-item list), at most one such call is out at a time: while the last one
+    (kept in the slot) still runs, return None at once rather than pile up threads."""
+    if slot is not None and slot[0] is not None and slot[0].is_alive():
+        return None
     box: list = [None]
 
     def body():
@@ -184,6 +188,8 @@ def _bounded(fn, timeout_s: float = _STORE_TIMEOUT_S):
             box[0] = None
 
     thread = threading.Thread(target=body, daemon=True, name="pp-failure-note")
+    if slot is not None:
+        slot[0] = thread
     thread.start()
     thread.join(timeout_s)
     return box[0]
@@ -237,23 +243,11 @@ def peer_failure_watch(pp_group, rank: int, baseline: int):
     does not answer), calls do nothing rather than pile up."""
     from ..runtime.errors import PeerReported
 
-    reading: list = [None]  # the thread of the read still out, if any
+    reading: list = [None]  # the read still out, if any
 
     def watch() -> None:
-        if reading[0] is not None and reading[0].is_alive():
-            return
-        box: list = [None]
-
-        def read():
-            try:
-                box[0] = failures_published_now()
-            except Exception:  # noqa: BLE001 - a dead store must not mask the real wait
-                box[0] = None
-
-        reading[0] = threading.Thread(target=read, daemon=True, name="pp-failure-watch")
-        reading[0].start()
-        reading[0].join(_STORE_TIMEOUT_S)
-        if box[0] is None or box[0] <= baseline:
+        now = _bounded(failures_published_now, slot=reading)
+        if now is None or now <= baseline:
             return
         notes = peer_failures(pp_group, rank, newer_than=baseline)
         for peer in sorted(notes):

@@ -275,12 +275,9 @@ train_valid_test_datasets_provider.is_distributed = True
 
 def _loss_func(loss_mask, output_tensor):
     """pretrain_gpt.py's loss contract: (summed loss, tokens, {'lm loss': [sum, tokens]})."""
-    losses = output_tensor.float().view(-1)
-    mask = loss_mask.float().view(-1)
-    loss = torch.sum(losses * mask)
-    num_tokens = mask.sum().clone().detach().to(torch.int)
-    report = torch.cat([loss.clone().detach().view(1), num_tokens.float().view(1)])
-    return loss, num_tokens, {"lm loss": report}
+    from megatron_pp_ext.models import tiny_gpt
+
+    return tiny_gpt.loss_func_per_token(loss_mask, output_tensor)
 
 
 def forward_step(data_iterator, model):
