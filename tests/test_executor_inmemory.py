@@ -10,7 +10,7 @@ from megatron_pp_ext.analysis.simulate import simulate
 from megatron_pp_ext.runtime.errors import PipelineTimeoutError
 from megatron_pp_ext.schedules import build_schedule
 
-from support.inmemory import gathered, reference_gradients, run_inmemory
+from support.inmemory import assert_equals_pp1, run_inmemory
 
 ALL_SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-h2", 1),
                  ("zb-v", 2), ("dualpipev", 2)]
@@ -35,11 +35,7 @@ def test_executed_order_peaks_and_gradients(name, v):
             assert work.computed == [str(a) for a in schedule.actions[rank]], (name, p, m, rank)
             assert result.peak_activations == predicted[rank], (name, p, m, rank)
             assert not work.saved and not work.pending_weight  # the W queue drained
-        grads, losses = gathered(results)
-        ref_grads, ref_losses = reference_gradients(schedule.num_stages, m)
-        for stage, grad in ref_grads.items():
-            torch.testing.assert_close(grads[stage], grad, rtol=1e-12, atol=1e-12)
-        assert [losses[mb] for mb in range(m)] == pytest.approx(ref_losses, rel=1e-12)
+        assert_equals_pp1(results, schedule, f"{name} p={p} m={m}")
         ran += 1
     assert ran == (29 if name == "interleaved" else 72)  # interleaved needs p <= m
 
@@ -106,11 +102,7 @@ def test_ranks_receive_in_the_senders_order():
     text = "0F0,0F1,2F0,2F1,2B0,0F2,2B1,0F3,0B0,2F2,0B1,2F3,2B2,2B3,0B2,0B3\n" \
            "1F0,1F1,3F0,3B0,3F1,3B1,1F2,1B0,1F3,1B1,3F2,3B2,3F3,3B3,1B2,1B3\n"
     schedule = Schedule.from_csv(text)
-    results = run_inmemory(schedule)
-    grads, _ = gathered(results)
-    ref_grads, _ = reference_gradients(4, 4)
-    for stage, grad in ref_grads.items():
-        torch.testing.assert_close(grads[stage], grad, rtol=1e-12, atol=1e-12)
+    assert_equals_pp1(run_inmemory(schedule), schedule)
 
 
 class OverlappingWork:
@@ -143,7 +135,4 @@ def test_dualpipev_pairs_run_in_one_call_when_the_model_offers_it(monkeypatch):
             f, b = pair.split("+")
             row = [str(a) for a in schedule.actions[rank]]
             assert row.index(b) == row.index(f) + 1 and "F" in f and ("B" in b or "I" in b)
-    grads, _ = gathered(results)
-    ref_grads, _ = reference_gradients(schedule.num_stages, 8)
-    for stage, grad in ref_grads.items():
-        torch.testing.assert_close(grads[stage], grad, rtol=1e-12, atol=1e-12)
+    assert_equals_pp1(results, schedule)

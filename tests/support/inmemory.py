@@ -80,6 +80,21 @@ def reference_gradients(num_stages: int, num_microbatches: int, rows: int = ROWS
     return {s: w.grad for s, w in enumerate(weights)}, losses
 
 
+def assert_equals_pp1(results, schedule, where: str = "") -> None:
+    """Every stage's gradient and every microbatch's loss of an in-memory run equal the pp=1
+    run's (float64: to 1e-12)."""
+    grads, losses = gathered(results)
+    m = schedule.num_microbatches
+    want, want_losses = reference_gradients(schedule.num_stages, m)
+    assert sorted(grads) == sorted(want), where
+    for stage, grad in want.items():
+        torch.testing.assert_close(grads[stage], grad, rtol=1e-12, atol=1e-12,
+                                   msg=lambda text: f"{where} stage {stage}: {text}")
+    got = [float(losses[mb]) for mb in range(m)]
+    assert all(abs(a - b) <= 1e-12 * max(1.0, abs(b)) for a, b in zip(got, want_losses)), \
+        (where, got, want_losses)
+
+
 def gathered(results):
     grads, losses = {}, {}
     for _result, work in results:
