@@ -9,6 +9,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 COMPUTE, COMM_WAIT = "compute", "comm"
+# A P2P batch in flight on the rank's communication stream (NCCL-rules simulation): it runs
+# beside the rank's compute, so it counts neither as busy nor as a wait.
+P2P = "p2p"
 
 
 @dataclass
@@ -17,7 +20,7 @@ class Event:
     label: str  # the action's text form ("0F3"), or what a wait waited for
     start: float
     end: float
-    category: str = COMPUTE  # COMPUTE or COMM_WAIT
+    category: str = COMPUTE  # COMPUTE, COMM_WAIT or P2P
 
     @property
     def duration(self) -> float:
