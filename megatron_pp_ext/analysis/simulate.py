@@ -71,23 +71,44 @@ def _per_stage(name: str, value: Cost, schedule: Schedule) -> list[float]:
     return values
 
 
-def simulate(schedule: Schedule, costs: CostModel | None = None, validate: bool = True,
-             channels: str = "sender") -> Timeline:
-    """Predict when every action of ``schedule`` runs under ``costs``.
+BUFFERED, NCCL = "buffered", "nccl"  # the two communication models
 
-    Validates first (``channels`` as in ``validate_schedule``); with ``validate=False`` a
-    schedule that cannot finish still raises ``ScheduleError`` instead of looping.
-    """
-    if validate:
-        validate_schedule(schedule, channels=channels)
-    cost = (costs or CostModel()).per_stage(schedule)
+
+def action_durations(cost: dict[str, list[float]]) -> dict[str, list[float]]:
+    """Per action kind, its time on each stage (``cost`` from ``CostModel.per_stage``)."""
     over = cost["t_overhead"]
-    duration = {
+    return {
         FORWARD: [c + o for c, o in zip(cost["t_f"], over)],
         BACKWARD: [c + o for c, o in zip(cost["t_b"], over)],
         BACKWARD_INPUT: [c + o for c, o in zip(cost["t_i"], over)],
         BACKWARD_WEIGHT: cost["t_w"],
     }
+
+
+def simulate(schedule: Schedule, costs: CostModel | None = None, validate: bool = True,
+             channels: str = "sender", communication: str = BUFFERED,
+             variable_shapes: bool = False) -> Timeline:
+    """Predict when every action of ``schedule`` runs under ``costs``.
+
+    Validates first (``channels`` as in ``validate_schedule``); with ``validate=False`` a
+    schedule that cannot finish still raises ``ScheduleError`` instead of looping.
+    ``communication``: ``buffered`` (a message leaves the moment its producer ends) or
+    ``nccl`` (the program the executor posts on NCCL, lowered and timed under NCCL's rules:
+    rendezvous sends, one stream of batches per rank; see ``nccl_timing``; slower to compute).
+    ``variable_shapes``: with ``nccl``, every call first exchanges its shape headers.
+    """
+    if communication not in (BUFFERED, NCCL):
+        raise ValueError(f"communication={communication!r}: choose {BUFFERED!r} or {NCCL!r}")
+    if validate:
+        validate_schedule(schedule, channels=channels)
+    cost = (costs or CostModel()).per_stage(schedule)
+    duration = action_durations(cost)
+    if communication == NCCL:
+        from ..runtime.lowering import nccl_program  # the runtime lowers; analysis times it
+        from .nccl_timing import time_program
+
+        return time_program(nccl_program(schedule, variable_shapes), schedule, duration,
+                            cost["t_comm"], peak_activations(schedule), check=False)
     t_comm, owner = cost["t_comm"], schedule.stage_to_rank
     free_at = [0.0] * schedule.num_ranks
     events: list[Event] = []

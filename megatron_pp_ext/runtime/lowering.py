@@ -155,18 +155,30 @@ def lower(schedule: Schedule, posting: str = MEGATRON,
     return program
 
 
+def _checked_program(schedule: Schedule, variable_shapes: bool) -> tuple[str, Program]:
+    try:
+        program = lower(schedule, MEGATRON, variable_shapes)
+        check_nccl_rules(program)
+        return MEGATRON, program
+    except ScheduleError:
+        pass
+    program = lower(schedule, LOCKSTEP, variable_shapes)
+    check_nccl_rules(program)
+    return LOCKSTEP, program
+
+
 def nccl_posting(schedule: Schedule, variable_shapes: bool = False) -> dict[int, object] | None:
     """How the executor posts ``schedule`` on NCCL: None for Megatron's fused calls where
     NCCL's rules allow them (1F1B, GPipe, ZB-H1: every call and timer as Megatron's), else
     each rank's lockstep posting. Raises ``ScheduleError`` (naming the ranks, the ops and
     the cycle) if neither program passes ``check_nccl_rules``: before any byte moves."""
-    try:
-        check_nccl_rules(lower(schedule, MEGATRON, variable_shapes))
-        return None
-    except ScheduleError:
-        pass
-    check_nccl_rules(lower(schedule, LOCKSTEP, variable_shapes))
-    return dict(enumerate(lockstep_postings(schedule)))
+    posting, _ = _checked_program(schedule, variable_shapes)
+    return None if posting == MEGATRON else dict(enumerate(lockstep_postings(schedule)))
 
 
-__all__ = ["MEGATRON", "LOCKSTEP", "lower", "nccl_posting"]
+def nccl_program(schedule: Schedule, variable_shapes: bool = False) -> Program:
+    """The checked program the executor runs on NCCL (the posting ``nccl_posting`` picks)."""
+    return _checked_program(schedule, variable_shapes)[1]
+
+
+__all__ = ["MEGATRON", "LOCKSTEP", "lower", "nccl_posting", "nccl_program"]
