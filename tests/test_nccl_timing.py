@@ -6,7 +6,9 @@ import random
 
 import pytest
 
-from megatron_pp_ext.analysis.simulate import CostModel, simulate
+from megatron_pp_ext.analysis.nccl_timing import time_program
+from megatron_pp_ext.analysis.simulate import CostModel, action_durations, simulate
+from megatron_pp_ext.runtime.lowering import lower, nccl_post_ahead, nccl_program
 from megatron_pp_ext.schedules import build_schedule
 from megatron_pp_ext.timeline import COMM_WAIT, COMPUTE, P2P
 
@@ -19,11 +21,13 @@ def _events(timeline, category):
 
 
 def test_gpipe_p2_m2_by_hand():
-    """Worked out by hand from the program (``lower``): rank 0's fused
-    send_forward_recv_backward holds its host until rank 1 sends 0B0, which rank 1 posts only
-    after 1B0; and each send waits for its receive to be posted (rendezvous)."""
+    """Worked out by hand from Megatron's fused calls (``lower``, no receive posted ahead):
+    rank 0's send_forward_recv_backward holds its host until rank 1 sends 0B0, which rank 1
+    posts only after 1B0; and each send waits for its receive to be posted (rendezvous)."""
     schedule = build_schedule("gpipe", 2, 2)
-    timeline = simulate(schedule, CostModel(t_f=1, t_b=2, t_comm=0.5), communication="nccl")
+    costs = CostModel(t_f=1, t_b=2, t_comm=0.5)
+    timeline = time_program(lower(schedule), schedule, action_durations(costs.per_stage(
+        schedule)), [0.5, 0.5], [2, 2])
     assert _events(timeline, COMPUTE) == [
         (0, "0F0", 0.0, 1.0), (0, "0F1", 1.0, 2.0),
         (0, "0B0", 6.5, 8.5),  # 0B0's gradient: rank 1 posts it at 6.0 (after 1B0), +0.5
@@ -82,10 +86,33 @@ def test_lockstep_posting_costs_dualpipev_time_even_without_transfer_time():
     waits for its slowest member, which the buffered model does not see."""
     schedule = build_schedule("dualpipev", 4, 8)
     costs = CostModel(t_f=1, t_i=1, t_w=1, t_comm=0)
-    assert simulate(schedule, costs).makespan == 51.0
-    assert simulate(schedule, costs, communication="nccl").makespan > 51.0
+    buffered = simulate(schedule, costs).makespan
+    assert simulate(schedule, costs, communication="nccl").makespan > buffered * 1.1
 
 
 def test_unknown_communication_model():
     with pytest.raises(ValueError, match="communication='shared-memory': choose 'buffered'"):
         simulate(build_schedule("1f1b", 2, 2), communication="shared-memory")
+
+
+def test_receives_posted_ahead_where_proven_and_faster():
+    """GPipe's next receive goes out before the current forward computes (its transfer
+    overlaps the compute); 1F1B's receives are all fused with sends, so nothing changes."""
+    gpipe = build_schedule("gpipe", 2, 3)
+    assert nccl_post_ahead(gpipe) and not nccl_post_ahead(build_schedule("1f1b", 4, 8))
+    assert nccl_program(gpipe).text(1).splitlines()[:6] == [
+        "post #0 [recv forward 1F0 <- 0]", "wait #0",
+        "post #1 [recv forward 1F1 <- 0]", "1F0",  # posted ahead of 1F0
+        "wait #1", "post #2 [recv forward 1F2 <- 0]"]
+    assert lower(gpipe).text(1).splitlines()[:4] == [
+        "post #0 [recv forward 1F0 <- 0]", "wait #0", "1F0", "post #1 [recv forward 1F1 <- 0]"]
+    costs = CostModel(t_f=1, t_b=2, t_comm=0.5)
+    # rank 1's receive of 1F1 runs during 1F0: 1F1 starts as 1F0 ends, not 0.5 later
+    ahead = simulate(gpipe, costs, communication="nccl")
+    assert [(e.label, e.start) for e in ahead.compute_events(1)][:2] == [("1F0", 1.5),
+                                                                        ("1F1", 2.5)]
+    plain = time_program(lower(gpipe), gpipe, action_durations(costs.per_stage(gpipe)),
+                         [0.5, 0.5], ahead.peak_activations)
+    assert [(e.label, e.start) for e in plain.compute_events(1)][:2] == [("1F0", 1.5),
+                                                                        ("1F1", 3.0)]
+    assert ahead.makespan < plain.makespan

@@ -54,6 +54,17 @@ def time_program(program: Program, schedule: Schedule, duration: dict[str, list[
     return Timeline.of_schedule(schedule, clock.events, peak_activations, "predicted", "t")
 
 
+def unit_cost_makespan(program: Program, schedule: Schedule, t_comm: float) -> float:
+    """The step time of a checked ``program`` with every F, I and W costing 1 (B 2) and
+    every message ``t_comm``: how the lowering compares two postings of one schedule."""
+    stages = schedule.num_stages
+    duration = {"F": [1.0] * stages, "B": [2.0] * stages, "I": [1.0] * stages,
+                "W": [1.0] * stages}
+    clock = _Clock(program, duration, [t_comm] * stages)
+    clock.run()
+    return max((e.end for e in clock.events), default=0.0)
+
+
 class _Clock:
     def __init__(self, program: Program, duration: dict[str, list[float]],
                  t_comm: list[float]):
@@ -163,4 +174,4 @@ class _Clock:
         return moved
 
 
-__all__ = ["time_program"]
+__all__ = ["time_program", "unit_cost_makespan"]

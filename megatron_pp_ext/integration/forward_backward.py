@@ -95,6 +95,14 @@ class RunState:
                                  lambda: nccl_posting(schedule, variable_shapes))
         return None if postings is None else postings[rank]
 
+    def nccl_post_ahead(self, schedule: Schedule, variable_shapes: bool = False) -> bool:
+        """Whether receives are posted ahead on NCCL (``lowering.nccl_post_ahead``), decided
+        once per schedule and shape mode."""
+        from ..runtime.lowering import nccl_post_ahead
+
+        return self._derived(("ahead", variable_shapes), schedule,
+                             lambda: nccl_post_ahead(schedule, variable_shapes))
+
     def _derived(self, what: tuple, schedule: Schedule, derive):
         key = (id(schedule), *what)
         cached = self._derived_cache.get(key)
@@ -356,8 +364,9 @@ def run_step(
     pipeline_dtype = config.pipeline_dtype or torch.float32
     transport = _transport_for(pp_group)
     # NCCL: how this rank posts (checked against NCCL's rules before anything is sent)
-    lockstep = (state.nccl_posting(schedule, rank, variable)
-                if getattr(transport, "batched", False) else None)
+    batched = getattr(transport, "batched", False)
+    lockstep = state.nccl_posting(schedule, rank, variable) if batched else None
+    post_ahead = batched and lockstep is None and state.nccl_post_ahead(schedule, variable)
     first_timeout, later_timeout = options.timeouts(device_helper.group_timeout_s(pp_group))
     _first_step_checks(state, options, schedule, pp_group, rank, forward_only, recv_shape,
                        pipeline_dtype, variable, transport.device, first_timeout)
@@ -388,7 +397,8 @@ def run_step(
                         dtype=pipeline_dtype,
                         device=transport.device, timeout_s=timeout, variable_shapes=variable,
                         trace=options.trace, timers=config.timers,
-                        incoming=state.incoming(schedule, rank), lockstep=lockstep)
+                        incoming=state.incoming(schedule, rank), lockstep=lockstep,
+                        post_ahead=post_ahead)
     transport.timeout_s = timeout  # its own waits inside a call (shape headers) too
     if transport.poll:  # NCCL: a peer that fails and says so stops this rank's waits at once
         if state.failure_baseline is None:

@@ -86,7 +86,7 @@ class Executor:
                  timeout_s: float = 600.0, variable_shapes: bool = False,
                  trace: bool = False, clock: Callable[[], float] = time.perf_counter,
                  timers=None, incoming: dict[int, list[Message]] | None = None,
-                 lockstep: LockstepPosting | None = None):
+                 lockstep: LockstepPosting | None = None, post_ahead: bool = False):
         self.schedule, self.rank, self.transport, self.work = schedule, rank, transport, work
         # What each peer sends this rank, in its order (a caller running many steps of one
         # schedule passes it in, derived once).
@@ -108,6 +108,11 @@ class Executor:
         # not NCCL, whose same-peer operations queue behind each other) and where no one
         # times the calls (Megatron's timers time each call where Megatron makes it).
         self.prefetch = getattr(transport, "prefetch_receives", False) and timers is None
+        # NCCL, where the lowering proved it safe (``lowering.nccl_post_ahead``): the next
+        # action's receive, when it is not fused with this action's send, is posted before
+        # this action computes, so its transfer overlaps the compute (as Megatron's
+        # overlap_p2p_comm does). Its call is then timed at posting only.
+        self.post_ahead = post_ahead and lockstep is None
         # DualPipeV's F&B pairs run in one call when the work (the model) offers one.
         self.overlap = bool(schedule.options.get("overlapped_pairs")) and callable(
             getattr(work, "overlapped_forward_backward", None))
@@ -147,6 +152,8 @@ class Executor:
                 self._emit(i + 1, partner, partner_out)
                 i += 2
                 continue
+            if self.post_ahead:
+                self._post_next_receive(i)
             start = self.clock() if self.trace else 0.0
             produced = self._compute(action, incoming)
             self._record(start, str(action))
@@ -233,6 +240,17 @@ class Executor:
                 self._post(None, None, [early])
         self._reap()
 
+    def _post_next_receive(self, i: int) -> None:
+        """Post action i+1's receive now, unless it will go fused with action i's send."""
+        if i + 1 >= len(self.actions):
+            return
+        needed, send = self.plans[i + 1].recv, self.plans[i].send
+        if needed is None or (send is not None and send.carries != needed.carries):
+            return
+        early = self._inbox.to_post(needed)
+        if early is not None:
+            self._post(None, None, [early], time_post_only=True)
+
     def _can_overlap(self, i: int) -> bool:
         if not self.overlap or i + 1 >= len(self.actions):
             return False
@@ -275,7 +293,8 @@ class Executor:
                 "config.variable_seq_lengths=True when microbatches differ in length"
             )
 
-    def _post(self, send, send_message: Message | None, recvs: list[Message]):
+    def _post(self, send, send_message: Message | None, recvs: list[Message],
+              time_post_only: bool = False):
         """One call (one batch) for a send and/or receives; returns the send's handle."""
         if send is None and not recvs:
             return None
@@ -284,7 +303,7 @@ class Executor:
         timer = MEGATRON_TIMERS.get(name) if self.timers is not None else None
         # Megatron's timer of a call runs until its receive is waited on; a lockstep program
         # posts the next call of the same name before that, so there only the post is timed.
-        time_post_only = self.lockstep is not None
+        time_post_only = time_post_only or self.lockstep is not None
         if timer is not None:
             self.timers(timer, log_level=2).start()
         requests = [RecvRequest(m.peer, self.recv_shape, self.dtype, self.device)

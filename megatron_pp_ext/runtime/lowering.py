@@ -125,16 +125,16 @@ class _NoWork:
 
 
 class _LabellingExecutor(Executor):
-    def _post(self, send, send_message, recvs):
+    def _post(self, send, send_message, recvs, time_post_only: bool = False):
         self.transport.labels = (send_message, list(recvs))
-        return super()._post(send, send_message, recvs)
+        return super()._post(send, send_message, recvs, time_post_only)
 
 
 MEGATRON, LOCKSTEP = "megatron", "lockstep"  # the executor's two ways of posting on NCCL
 
 
 def lower(schedule: Schedule, posting: str = MEGATRON,
-          variable_shapes: bool = False) -> Program:
+          variable_shapes: bool = False, post_ahead: bool = False) -> Program:
     """The executor's P2P program for ``schedule`` on NCCL (see the module docstring):
     ``megatron`` posting fuses a send with the next receive going the other way, as
     Megatron's 1F1B does; ``lockstep`` posts one batch per round (``lockstep_posting``).
@@ -150,7 +150,8 @@ def lower(schedule: Schedule, posting: str = MEGATRON,
         _LabellingExecutor(schedule, rank, recorder, _NoWork(recorder), recv_shape=None,
                            dtype=torch.float32, device=torch.device("cpu"),
                            variable_shapes=variable_shapes, incoming=incoming[rank],
-                           lockstep=postings[rank] if postings else None).run()
+                           lockstep=postings[rank] if postings else None,
+                           post_ahead=post_ahead).run()
         program.steps.append(recorder.steps)
     return program
 
@@ -176,9 +177,39 @@ def nccl_posting(schedule: Schedule, variable_shapes: bool = False) -> dict[int,
     return None if posting == MEGATRON else dict(enumerate(lockstep_postings(schedule)))
 
 
+# Unit costs with messages of half and one forward: where posting ahead must not lose.
+_AHEAD_PROBES = (0.5, 1.0)
+
+
+def nccl_post_ahead(schedule: Schedule, variable_shapes: bool = False) -> bool:
+    """Whether the executor posts receives ahead on NCCL (``Executor(post_ahead=True)``): only
+    with Megatron's fused calls, where the program with receives posted ahead passes
+    ``check_nccl_rules`` and, timed under NCCL's rules at unit costs with messages of half
+    and one forward, is never slower and somewhere faster (GPipe: its receives then overlap
+    the forwards; 1F1B's are all fused already)."""
+    posting, program = _checked_program(schedule, variable_shapes)
+    if posting != MEGATRON:
+        return False
+    ahead = lower(schedule, MEGATRON, variable_shapes, post_ahead=True)
+    try:
+        check_nccl_rules(ahead)
+    except ScheduleError:
+        return False
+    from ..analysis.nccl_timing import unit_cost_makespan
+
+    plain = [unit_cost_makespan(program, schedule, t_comm) for t_comm in _AHEAD_PROBES]
+    early = [unit_cost_makespan(ahead, schedule, t_comm) for t_comm in _AHEAD_PROBES]
+    return all(e <= p for e, p in zip(early, plain)) and any(
+        e < p for e, p in zip(early, plain))
+
+
 def nccl_program(schedule: Schedule, variable_shapes: bool = False) -> Program:
-    """The checked program the executor runs on NCCL (the posting ``nccl_posting`` picks)."""
-    return _checked_program(schedule, variable_shapes)[1]
+    """The checked program the executor runs on NCCL (the posting ``nccl_posting`` picks,
+    receives posted ahead where ``nccl_post_ahead`` says so)."""
+    posting, program = _checked_program(schedule, variable_shapes)
+    if posting == MEGATRON and nccl_post_ahead(schedule, variable_shapes):
+        return lower(schedule, MEGATRON, variable_shapes, post_ahead=True)
+    return program
 
 
-__all__ = ["MEGATRON", "LOCKSTEP", "lower", "nccl_posting", "nccl_program"]
+__all__ = ["MEGATRON", "LOCKSTEP", "lower", "nccl_posting", "nccl_post_ahead", "nccl_program"]

@@ -12,7 +12,7 @@ from support.emulated import (
 )
 from megatron_pp_ext.runtime.executor import Executor
 from megatron_pp_ext.runtime.inmemory import run_ranks_in_threads
-from megatron_pp_ext.runtime.lowering import nccl_posting
+from megatron_pp_ext.runtime.lowering import nccl_post_ahead, nccl_posting
 from support.nccl_fabric import NcclRulesFabric
 
 WIDTH, ROWS = 6, 3
@@ -46,10 +46,11 @@ def run_inmemory(schedule, delays=None, costs: EmulatedCosts | None = None, time
     share one)."""
     weights = stage_weights(schedule.num_stages, WIDTH)
     inputs = microbatch_inputs(schedule.num_microbatches, ROWS, WIDTH)
-    fabric, posting = None, None
+    fabric, posting, ahead = None, None, False
     if nccl_rules:
         fabric = NcclRulesFabric(schedule.num_ranks)
         posting = nccl_posting(schedule, variable_shapes)
+        ahead = posting is None and nccl_post_ahead(schedule, variable_shapes)
 
     def rank_fn(rank, transport):
         delay = delays[rank] if delays else 0.0
@@ -58,7 +59,7 @@ def run_inmemory(schedule, delays=None, costs: EmulatedCosts | None = None, time
                             dtype=torch.float64, device=torch.device("cpu"),
                             timeout_s=timeout_s, trace=trace, variable_shapes=variable_shapes,
                             timers=timers[rank] if timers else None,
-                            lockstep=posting[rank] if posting else None)
+                            lockstep=posting[rank] if posting else None, post_ahead=ahead)
         return executor.run(), work
 
     return run_ranks_in_threads(schedule.num_ranks, rank_fn, timeout_s=timeout_s + 10,
