@@ -54,6 +54,9 @@ class StepResult:
     peak_activations: int
     comm_calls: collections.Counter
     events: list[Event] = field(default_factory=list)
+    # the I/W split's weight-gradient GEMMs on this rank (runtime.wgrad.WeightGradStats as a
+    # dict: counts and W's seconds), from the work's ``weight_grad_stats()``; None without a split
+    weight_grads: dict | None = None
 
 
 class PeerLostError(PipelineTimeoutError):
@@ -168,7 +171,9 @@ class Executor:
                 f"rank {self.rank}: tensors were left unconsumed at the end of the step: "
                 f"{sorted(self._local) + [str(m) for m in self._inbox.stash]} (the schedule "
                 "lacks their consumers)")
-        return StepResult(list(self.actions), self._peak, self._calls, self._events)
+        stats = getattr(self.work, "weight_grad_stats", None)
+        return StepResult(list(self.actions), self._peak, self._calls, self._events,
+                          weight_grads=stats() if callable(stats) else None)
 
     def _input_of(self, i: int, action: Action):
         """Receive (or take over locally) what ``action`` needs."""
