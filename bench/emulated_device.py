@@ -372,8 +372,8 @@ def predict(name: str, v: int, p: int, m: int, t: float, t_comm: float, post: fl
     """Simulated step (and, for k > 1, steady back-to-back period). ``post``: a per-action
     overhead added to every F, I and B (each posts a send and/or a receive; W moves
     nothing), for the prediction that also charges the executor's calls to the transport."""
-    costs = CostModel(t_f=t / v + post, t_i=t / v + post, t_w=t / v,
-                      t_b=2 * t / v + post, t_comm=t_comm)
+    costs = CostModel.for_stages(t_f=t / v + post, t_i=t / v + post, t_w=t / v,
+                                 t_b=2 * t / v + post, t_comm=t_comm)  # per chunk: t / v
     schedule = build_schedule(name, p, m, v)
     timeline = simulate(schedule, costs, validate=False)
     result = {"makespan": timeline.makespan, "bubble": timeline.bubble_fraction}

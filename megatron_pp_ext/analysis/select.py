@@ -8,25 +8,32 @@ a per-rank activation-memory budget, and say why each other one was left out.
 
 What the inputs mean
 --------------------
-Costs are those of one microbatch on one *rank*, i.e. on the whole part of the model that a
-rank holds (its ``L/p`` layers): ``t_f`` the forward, ``t_i`` the input-gradient half of the
-backward, ``t_w`` the weight-gradient half, ``t_b`` a full backward (default ``t_i + t_w``).
-Each is one number or a list with one number per rank (uneven stages). ``t_comm`` is the time
-one activation or gradient message takes to arrive; it does not depend on the schedule.
+Costs (a ``CostModel``, the same convention as ``simulate``) are those of one microbatch on one
+*rank*, i.e. on the whole part of the model that a rank holds (its ``L/p`` layers): ``t_f`` the
+forward, ``t_i`` the input-gradient half of the backward, ``t_w`` the weight-gradient half,
+``t_b`` a full backward (default ``t_i + t_w``). Each is one number or a list with one number
+per rank (uneven stages). ``t_comm`` is the time one activation or gradient message takes to
+arrive; it does not depend on the schedule. Measured costs: ``analysis.costs.load_costs``.
 
 A schedule with ``v`` model chunks per rank (``interleaved`` v=2,3,4; ``zb-v`` and
 ``dualpipev``, whose V layout has v=2) splits each rank's part into ``v`` chunks of ``L/(p v)``
-layers, so one chunk's F/I/W/B costs ``1/v`` of the rank's cost and holds ``1/v`` of its
-activation. The total work per rank is the same for every candidate; what differs is how
-well it is packed (the bubble) and how many activations are alive at once.
+layers, so one chunk's F/I/W/B costs ``1/v`` of the rank's cost (``CostModel`` scales it) and
+holds ``1/v`` of its activation. The total work per rank is the same for every candidate; what
+differs is how well it is packed (the bubble) and how many activations are alive at once.
+
+Costs with a whole backward only (``t_b`` without ``t_i``, ``t_w``: what a run of 1f1b, gpipe
+or interleaved measures) cannot predict the schedules that split it (zb-h1, zb-h2, zb-v,
+dualpipev): those land in ``excluded`` with that reason, unless the split is assumed
+explicitly (``analysis.costs.assume_split``).
 
 ``activation_bytes`` is what one microbatch's forward leaves alive on one rank (for the whole
 ``L/p`` layers, v=1), ``memory_budget_bytes`` what a rank can spend on activations (its
 memory less weights, gradients and optimizer state). A rank's peak is its peak count of live
 chunk-activations (``validate.activation_trace``: an activation lives from the end of its F to
 the end of its B, or of its W under a split backward -- conservative, as the I already frees
-part of it) times ``activation_bytes / v``. A candidate fits when the largest peak over the
-ranks is within the budget.
+part of it) times ``activation_bytes / v``: in v=1 units (one microbatch through all of a
+rank's layers) that count divided by v. A candidate fits when the largest peak over the ranks
+is within the budget.
 
 What is ranked
 --------------
@@ -48,7 +55,9 @@ from typing import Iterable, NamedTuple, Sequence
 
 from ..ir import ScheduleError
 from ..schedules import REGISTRY, build_schedule, get_spec
-from .simulate import CostModel, simulate
+from ..timeline import Timeline
+from .costs import activations_in_v1_units
+from .simulate import RANK, CostModel, simulate
 
 MiB = 1024 * 1024
 
@@ -76,8 +85,16 @@ class Selection:
     costs: CostModel
     activation_bytes: float
     memory_budget_bytes: float
-    #: per candidate (name, v) that was simulated: peak chunk-activations per rank
+    #: per candidate (name, v) that was simulated: peak chunk-activations per rank (a chunk
+    #: holds 1/v of a rank's layers; ``activations_in_v1_units`` converts)
     peak_activations: dict[tuple[str, int], list[int]] = field(default_factory=dict)
+    #: per candidate (name, v) that was simulated: its predicted timeline
+    timelines: dict[tuple[str, int], Timeline] = field(default_factory=dict, repr=False)
+
+    def peak_activations_v1(self, name: str, chunks: int) -> list:
+        """The candidate's peak per rank in v=1 units (one microbatch, all of a rank's
+        layers): comparable across chunk counts."""
+        return activations_in_v1_units(self.peak_activations[(name, chunks)], chunks)
 
     @property
     def best(self) -> Ranked | None:
@@ -91,8 +108,12 @@ class Selection:
                       for k in ("t_f", "t_i", "t_w", "t_b", "t_comm", "t_overhead")},
             "activation_bytes": self.activation_bytes,
             "memory_budget_bytes": self.memory_budget_bytes,
+            "activation_unit": "peak_activations: v=1 units (one microbatch's activations for "
+                               "all of a rank's layers); peak_chunk_activations: chunk-"
+                               "activations of 1/v of that",
             "ranked": [
-                {**r._asdict(), "peak_activations": self.peak_activations[(r.name, r.chunks)]}
+                {**r._asdict(), "peak_activations": self.peak_activations_v1(r.name, r.chunks),
+                 "peak_chunk_activations": self.peak_activations[(r.name, r.chunks)]}
                 for r in self.ranked
             ],
             "excluded": [e._asdict() for e in self.excluded],
@@ -103,20 +124,6 @@ def format_bytes(value: float) -> str:
     """``448 MiB``, ``21.33 MiB``: MiB with at most two decimals, trailing zeros dropped."""
     text = f"{value / MiB:.2f}".rstrip("0").rstrip(".")
     return f"{text} MiB"
-
-
-def chunk_costs(costs: CostModel, chunks: int) -> CostModel:
-    """Per-rank costs -> the costs of one of ``chunks`` equal chunks (t_comm and the
-    per-action t_overhead unchanged: a chunk's action posts its messages like any other)."""
-    def scale(value):
-        if value is None:
-            return None
-        if isinstance(value, (int, float)):
-            return float(value) / chunks
-        return [float(x) / chunks for x in value]
-
-    return CostModel(t_f=scale(costs.t_f), t_i=scale(costs.t_i), t_w=scale(costs.t_w),
-                     t_b=scale(costs.t_b), t_comm=costs.t_comm, t_overhead=costs.t_overhead)
 
 
 def candidate_list(candidates: Iterable | None, chunks_options: Sequence[int]) -> list[tuple[str, int]]:
@@ -169,6 +176,9 @@ def select_schedules(num_ranks: int, num_microbatches: int, costs: CostModel,
     _check_inputs(num_ranks, num_microbatches, activation_bytes, memory_budget_bytes,
                   chunks_options)
     costs = costs or CostModel()
+    if costs.per != RANK:
+        raise ValueError("select compares schedules with different chunks per rank: give costs "
+                         "as a rank's share (CostModel(...), per='rank'), not per stage")
     for key in ("t_f", "t_i", "t_w", "t_b", "t_comm", "t_overhead"):
         value = getattr(costs, key)
         if value is None or isinstance(value, (int, float)):
@@ -180,18 +190,25 @@ def select_schedules(num_ranks: int, num_microbatches: int, costs: CostModel,
                 f"{key}={list(value)!r}: give one number or one number >= 0 per rank "
                 f"({num_ranks}); costs are per rank (a rank's whole part of the model)")
     options = options or {}
-    ranked, excluded, peaks = [], [], {}
+    ranked, excluded, peaks, timelines = [], [], {}, {}
     for name, v in candidate_list(candidates, chunks_options):
+        if get_spec(name).split_backward and not costs.split_known:
+            excluded.append(Excluded(name, v, (
+                "splits the backward into I and W, but the costs have only whole backwards "
+                "(t_b): measure a split schedule, or assume a split (--assume-split X: "
+                "I = X B, W = (1 - X) B)")))
+            continue
         try:
             schedule = build_schedule(name, num_ranks, num_microbatches, v,
                                       **options.get(name, {}))
-            timeline = simulate(schedule, chunk_costs(costs, v), validate=False)
+            timeline = simulate(schedule, costs, validate=False)  # chunks cost 1/v each
         except ScheduleError as exc:
             excluded.append(Excluded(name, v, " ".join(str(exc).split())))
             continue
         per_chunk = activation_bytes / v
         counts = list(timeline.peak_activations)
         peaks[(name, v)] = counts
+        timelines[(name, v)] = timeline
         worst = max(range(num_ranks), key=lambda r: (counts[r], -r))
         peak_bytes = counts[worst] * per_chunk
         if peak_bytes > memory_budget_bytes:
@@ -204,4 +221,4 @@ def select_schedules(num_ranks: int, num_microbatches: int, costs: CostModel,
         ranked.append(Ranked(name, v, timeline.makespan, timeline.bubble_fraction, peak_bytes))
     ranked.sort(key=lambda r: (float(f"{r.makespan:.12g}"), r.peak_bytes, r.name, r.chunks))
     return Selection(ranked, excluded, num_ranks, num_microbatches, costs, activation_bytes,
-                     memory_budget_bytes, peaks)
+                     memory_budget_bytes, peaks, timelines)

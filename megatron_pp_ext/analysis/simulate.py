@@ -1,4 +1,7 @@
-"""Cost-model simulator: a schedule and per-action costs in, a predicted ``Timeline`` out.
+"""Cost-model simulator: a schedule and its costs in, a predicted ``Timeline`` out.
+
+Costs are a rank's share of one microbatch (``CostModel``), the same numbers for every
+schedule: a schedule with v chunks per rank runs actions of 1/v of it each.
 
 Each rank runs its actions in list order; an action starts when the rank is free and its
 input is ready. An input made on another rank arrives ``t_comm`` after its producer ends; a
@@ -9,6 +12,7 @@ input is a COMM_WAIT event. One pass over the actions in dependency order (the v
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Sequence, Union
 
@@ -18,57 +22,131 @@ from .validate import execute_in_order, explain_blocked, peak_activations, valid
 
 Cost = Union[float, Sequence[float]]
 
+#: What a cost (t_f, t_i, t_w, t_b) is the time of: ``RANK`` (the default) a rank's share, one
+#: microbatch through all the layers the rank holds, split evenly over the rank's chunks;
+#: ``STAGE`` one action of one stage, taken as given.
+RANK, STAGE = "rank", "stage"
+
+_SPLIT_MISSING = (
+    "{name} splits the backward into I (input gradient) and W (weight gradient), but these "
+    "costs give only t_b, a whole backward (what a run of 1f1b, gpipe or interleaved "
+    "measures): give t_i and t_w (measure a split schedule, e.g. train --schedule zb-h1 or "
+    "zb-v), or state how B splits (--assume-split X on the command line, "
+    "analysis.costs.assume_split in Python: t_i = X t_b, t_w = (1 - X) t_b)"
+)
+
 
 @dataclass
 class CostModel:
-    """Time of one action of each kind, in units of ``t``.
+    """Time of one microbatch's action of each kind, in any unit (``t``, or seconds).
 
-    Each cost is one number for every stage, a list with one number per stage, or a list with
-    one number per rank (every stage of a rank costs the same). ``t_b`` (a full backward)
-    defaults to ``t_i + t_w``. ``t_comm`` is the time a message from a stage takes to arrive.
-    ``t_overhead`` is what the runtime adds to every F, B and I on the rank's own time
-    (posting its sends and receives, bookkeeping; W moves nothing): it makes schedules with
-    more, shorter actions (v = 2) pay per action, as they do on a real machine.
+    **A rank's share** (``per="rank"``, the default): ``t_f``, ``t_i``, ``t_w`` and ``t_b``
+    are the time one rank spends on one microbatch through *all* the layers it holds, so the
+    same numbers describe every schedule: a schedule with v model chunks per rank (interleaved,
+    zb-v, dualpipev) runs actions of 1/v of the share each, scaled here. Each is one number
+    (every rank's share), a list with one number per rank, or a list with one number per stage
+    (that stage's own action time, not scaled: what ``runtime.trace.calibrated_costs``
+    measures). With v = 1 a stage is a rank and the two readings agree.
+
+    **Per stage** (``per="stage"``, or ``CostModel.for_stages(...)``): every cost is the time
+    of one action of one stage, a number for every stage or a list per stage or per rank, taken
+    as given for any v (``t_f=1`` on zb-v is then a forward of 1 per chunk, 2 per rank).
+
+    ``t_i`` and ``t_w`` (the two halves of a split backward) default to 1 each and ``t_b`` (a
+    whole backward) to ``t_i + t_w``. Given ``t_b`` with one of ``t_i``, ``t_w``, the other is
+    the rest of ``t_b``; given ``t_b`` alone, the split is unknown: schedules without a split
+    backward run, those with one (zb-h1, zb-h2, zb-v, dualpipev) raise ``ValueError`` saying so
+    (nothing is made up).
+
+    ``t_comm`` is the time a message from a stage takes to arrive, ``t_overhead`` what the
+    runtime adds to every F, B and I on the rank's own time (posting its sends and receives;
+    W moves nothing): both per message or per action, never scaled by v, so schedules with
+    more, shorter actions (v = 2) pay them per action, as they do on a real machine.
     """
 
     t_f: Cost = 1.0
-    t_i: Cost = 1.0
-    t_w: Cost = 1.0
+    t_i: Cost | None = None
+    t_w: Cost | None = None
     t_b: Cost | None = None
     t_comm: Cost = 0.0
     t_overhead: Cost = 0.0
+    per: str = RANK
+
+    def __post_init__(self):
+        if self.per not in (RANK, STAGE):
+            raise ValueError(f"per={self.per!r}: choose {RANK!r} (a rank's share, scaled by "
+                             f"1/v per chunk) or {STAGE!r} (one action of one stage)")
+
+    @classmethod
+    def for_stages(cls, **costs) -> "CostModel":
+        """Costs of one action of one stage, taken as given whatever the chunks per rank."""
+        return cls(**costs, per=STAGE)
+
+    @property
+    def split_known(self) -> bool:
+        """False when only a whole backward is given (``t_b`` without ``t_i`` and ``t_w``):
+        schedules that split the backward cannot be predicted from these costs."""
+        return not (self.t_b is not None and self.t_i is None and self.t_w is None)
 
     def per_stage(self, schedule: Schedule) -> dict[str, list[float]]:
-        """Every cost as one float per stage of ``schedule``."""
-        costs = {
-            name: _per_stage(name, getattr(self, name), schedule)
-            for name in ("t_f", "t_i", "t_w", "t_comm", "t_overhead")
-        }
-        if self.t_b is None:
+        """Every cost as one float per stage of ``schedule`` (the time of one action there)."""
+        share = self.per == RANK
+        costs = {"t_f": _per_stage("t_f", self.t_f, schedule, share),
+                 # per message and per action: the same for any v
+                 "t_comm": _per_stage("t_comm", self.t_comm, schedule),
+                 "t_overhead": _per_stage("t_overhead", self.t_overhead, schedule)}
+        t_i, t_w, t_b = self.t_i, self.t_w, self.t_b
+        if t_b is None:
+            costs["t_i"] = _per_stage("t_i", 1.0 if t_i is None else t_i, schedule, share)
+            costs["t_w"] = _per_stage("t_w", 1.0 if t_w is None else t_w, schedule, share)
             costs["t_b"] = [i + w for i, w in zip(costs["t_i"], costs["t_w"])]
-        else:
-            costs["t_b"] = _per_stage("t_b", self.t_b, schedule)
+            return costs
+        costs["t_b"] = _per_stage("t_b", t_b, schedule, share)
+        if t_i is None and t_w is None:
+            if schedule.uses_split_backward():
+                raise ValueError(_SPLIT_MISSING.format(name=schedule.name))
+            half = [b / 2 for b in costs["t_b"]]  # never used: this schedule runs whole B's
+            costs["t_i"], costs["t_w"] = half, list(half)
+            return costs
+        for name in ("t_i", "t_w"):
+            if getattr(self, name) is not None:
+                costs[name] = _per_stage(name, getattr(self, name), schedule, share)
+        for given, other in (("t_i", "t_w"), ("t_w", "t_i")):
+            if getattr(self, other) is None:  # the rest of t_b
+                costs[other] = [b - x for b, x in zip(costs["t_b"], costs[given])]
+                if any(x < -1e-12 for x in costs[other]):
+                    raise ValueError(f"{given}={getattr(self, given)!r} exceeds t_b={t_b!r}: "
+                                     f"{other} = t_b - {given} would be negative")
+                costs[other] = [max(0.0, x) for x in costs[other]]
         return costs
 
 
-def _per_stage(name: str, value: Cost, schedule: Schedule) -> list[float]:
+def _per_stage(name: str, value: Cost, schedule: Schedule, share: bool = False) -> list[float]:
+    """``value`` as one float per stage. ``share``: a number or a per-rank list is a rank's
+    share, divided evenly among the rank's stages (a per-stage list is taken as given)."""
     stages, ranks = schedule.num_stages, schedule.num_ranks
+    held = Counter(schedule.stage_to_rank)  # stages per rank
     if isinstance(value, (int, float)):
-        values = [float(value)] * stages
+        given, per_stage = [float(value)] * ranks, False
     else:
         given = [float(x) for x in value]
         if len(given) == stages:
-            values = given
+            per_stage = True
         elif len(given) == ranks:
-            values = [given[schedule.rank_of(s)] for s in range(stages)]
+            per_stage = False
         else:
             raise ValueError(
                 f"{name} has {len(given)} values: give one number, one per stage ({stages}) "
                 f"or one per rank ({ranks})"
             )
-    if any(x < 0 for x in values):
+    if any(x < 0 for x in given):
         raise ValueError(f"{name}={value!r}: costs must be >= 0")
-    return values
+    if per_stage:
+        return given
+    owner = schedule.stage_to_rank
+    if share:
+        return [given[owner[s]] / held[owner[s]] for s in range(stages)]
+    return [given[owner[s]] for s in range(stages)]
 
 
 BUFFERED, NCCL = "buffered", "nccl"  # the two communication models
