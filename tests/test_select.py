@@ -7,8 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from megatron_pp_ext.analysis.select import MiB, chunk_costs, select_schedules
-from megatron_pp_ext.analysis.simulate import CostModel
+from megatron_pp_ext.analysis.costs import assume_split
+from megatron_pp_ext.analysis.select import MiB, select_schedules
+from megatron_pp_ext.analysis.simulate import CostModel, simulate
+from megatron_pp_ext.schedules import build_schedule
 
 ROOT = Path(__file__).resolve().parents[1]
 EQUAL = CostModel(t_f=1, t_i=1, t_w=1)
@@ -110,10 +112,14 @@ def test_ranking_with_distinct_costs_follows_the_formulas():
     assert names(selection.ranked) == [
         ("interleaved", 4), ("dualpipev", 2), ("interleaved", 3), ("zb-h2", 1),
         ("interleaved", 2), ("zb-h1", 1), ("1f1b", 1), ("gpipe", 1)]
-    # a v-chunk candidate's costs: 1/v of the rank's; t_comm and t_overhead as given
-    assert chunk_costs(CostModel(t_f=2, t_i=[1.5, 3], t_w=1, t_comm=0.1, t_overhead=0.2),
-                       2) == CostModel(t_f=1.0, t_i=[0.75, 1.5], t_w=0.5, t_b=None,
-                                       t_comm=0.1, t_overhead=0.2)
+    # a v-chunk candidate's actions cost 1/v of the rank's share; t_comm and t_overhead as
+    # given: the selector's figure is simulate's with the same CostModel, nothing rescaled
+    shares = CostModel(t_f=2, t_i=[1.5, 3], t_w=1, t_comm=0.1, t_overhead=0.2)
+    per_stage = shares.per_stage(build_schedule("zb-v", 2, 4))  # stages 0, 3 on rank 0
+    assert per_stage["t_i"] == [0.75, 1.5, 1.5, 0.75] and per_stage["t_f"] == [1.0] * 4
+    assert per_stage["t_comm"] == [0.1] * 4 and per_stage["t_overhead"] == [0.2] * 4
+    picked = select_schedules(2, 4, shares, MiB, 1e12, candidates=[("zb-v", 2)])
+    assert picked.best.makespan == simulate(build_schedule("zb-v", 2, 4), shares).makespan
 
 
 def test_interleaved_needs_m_at_least_p_and_says_so():
@@ -167,6 +173,10 @@ def test_cli_json_and_text():
     assert [(r["name"], r["chunks"]) for r in data["ranked"]] == [
         ("zb-v", 2), ("zb-h1", 1), ("1f1b", 1)]
     assert data["ranked"][2]["peak_activations"] == [4, 3, 2, 1]
+    # peaks in one unit, v=1 activations; zb-v's chunk-activations are half a rank's each
+    assert data["ranked"][0]["peak_activations"] == [4, 4, 4, 4]
+    assert data["ranked"][0]["peak_chunk_activations"] == [8, 8, 8, 8]
+    assert data["unit"] == "t"
     want = expected_makespans(4, 8, 20, 20, 20)
     assert [r["makespan"] for r in data["ranked"]] == [
         want[("zb-v", 2)], want[("zb-h1", 1)], want[("1f1b", 1)]] == [510, 540, 660]
@@ -176,9 +186,13 @@ def test_cli_json_and_text():
     text = run_cli(*args)
     assert text.returncode == 0, text.stderr
     lines = text.stdout.splitlines()
+    assert lines[0].endswith("step time in t (the unit of the costs)")
     assert lines[2].split() == ["#", "schedule", "v", "step", "time", "vs", "best", "bubble",
-                                "peak", "memory"]
-    assert lines[3].split()[:3] == ["1", "zb-v", "2"]
+                                "peak", "memory", "peak", "activations", "per", "rank",
+                                "(v=1", "units)"]
+    assert lines[3].split() == ["1", "zb-v", "2", "510", "t", "1.000", "5.9%", "256", "MiB",
+                                "[4,", "4,", "4,", "4]"]
+    assert lines[5].split()[-4:] == ["[4,", "3,", "2,", "1]"]  # 1f1b
     assert "  gpipe (v=1): peak 8 x 64 MiB = 512 MiB on rank 0 exceeds the 256 MiB budget" \
         in lines
 
@@ -188,3 +202,42 @@ def test_cli_bad_input_is_one_line_and_exit_2():
                    "--memory-budget-mb", "10")
     assert done.returncode == 2
     assert done.stderr.startswith("error: t_f=[1.0, 2.0]") and done.stderr.count("\n") == 1
+
+
+def test_whole_backward_costs_exclude_split_schedules_with_the_reason():
+    """What a 1F1B run measures (t_f, t_b; the issue's numbers): the split schedules are left
+    out with the reason, never predicted with a made-up t_i = t_w = 1."""
+    measured = CostModel(t_f=[0.00249, 0.0025, 0.0025, 0.0026],
+                         t_b=[0.00284, 0.0029, 0.0029, 0.003])
+    selection = select_schedules(4, 8, measured, MiB, 1e12)
+    assert names(selection.ranked) == [
+        ("interleaved", 4), ("interleaved", 3), ("interleaved", 2), ("1f1b", 1), ("gpipe", 1)]
+    reasons = {(e.name, e.chunks): e.reason for e in selection.excluded}
+    assert set(reasons) == {("zb-h1", 1), ("zb-h2", 1), ("zb-v", 2), ("dualpipev", 2)}
+    assert all("only whole backwards (t_b)" in r and "--assume-split" in r
+               for r in reasons.values())
+    assert max(r.makespan for r in selection.ranked) < 0.1  # seconds, all of them
+    # an assumption, stated: the split schedules come back, with I = W = B / 2
+    half = select_schedules(4, 8, assume_split(measured, 0.5), MiB, 1e12)
+    assert selection.excluded and not half.excluded
+    explicit = CostModel(t_f=measured.t_f, t_i=[b / 2 for b in measured.t_b],
+                         t_w=[b / 2 for b in measured.t_b])
+    want = {(r.name, r.chunks): r.makespan
+            for r in select_schedules(4, 8, explicit, MiB, 1e12).ranked}
+    assert {(r.name, r.chunks): r.makespan for r in half.ranked} == pytest.approx(want)
+    # no step is shorter than the busiest rank's work, m (t_F + t_B), under any schedule
+    busiest = 8 * max(f + b for f, b in zip(measured.t_f, measured.t_b))
+    assert min(r.makespan for r in half.ranked) >= busiest - 1e-12
+
+
+def test_per_stage_costs_are_refused():
+    with pytest.raises(ValueError, match="give costs as a rank's share"):
+        select_schedules(4, 8, CostModel.for_stages(t_f=1), MiB, 1e12)
+
+
+def test_cli_hint_when_p_exceeds_m():
+    done = run_cli("-p", "8", "-m", "4", "--activation-mb", "1", "--memory-budget-mb", "100")
+    assert done.returncode == 0
+    assert done.stderr == ("hint: p=8 > m=4: most ranks idle most of the step; use m >= p "
+                           "(Megatron needs m >= p for interleaved)\n")
+    assert "  interleaved (v=2): interleaved: microbatch_group_size_per_vp_stage=8" in done.stdout

@@ -6,10 +6,11 @@ import argparse
 import json
 import sys
 
+from ..analysis.costs import ACTIVATION_UNIT, format_counts, format_time
 from ..analysis.select import MiB, Selection, format_bytes, select_schedules
-from ..analysis.simulate import CostModel
 from ..schedules import schedule_names
-from .simulate import cost_value
+from .hints import warn_p_exceeds_m
+from .simulate import COSTS_HELP, add_cost_args, add_size_args, costs_from_args, describe_costs
 
 FORMATS = ("text", "json")
 
@@ -29,26 +30,11 @@ def register(subparsers) -> None:
         description="Simulate every schedule (interleaved at each --chunks-options) with the "
         "given costs, drop those whose peak activation memory on some rank exceeds the budget, "
         "and rank the rest by predicted step time (the single-step makespan: Megatron's "
-        "optimizer step synchronizes the ranks between steps). Costs are those of one "
-        "microbatch on one rank's whole part of the model (one number, or a comma list with "
-        "one per rank); a schedule with v chunks per rank runs chunks costing 1/v of that and "
-        "holding 1/v of the activation.",
+        "optimizer step synchronizes the ranks between steps). " + COSTS_HELP + " A v-chunk "
+        "schedule's chunk holds 1/v of the activation.",
     )
-    parser.add_argument("--ranks", "-p", type=int, required=True, metavar="P",
-                        help="pipeline size")
-    parser.add_argument("--microbatches", "-m", type=int, required=True, metavar="M")
-    parser.add_argument("--t-f", type=cost_value, default=1.0, help="forward (default 1)")
-    parser.add_argument("--t-i", type=cost_value, default=1.0,
-                        help="input-gradient half of the backward (default 1)")
-    parser.add_argument("--t-w", type=cost_value, default=1.0,
-                        help="weight-gradient half of the backward (default 1)")
-    parser.add_argument("--t-b", type=cost_value, default=None,
-                        help="full backward (default t_i + t_w)")
-    parser.add_argument("--t-comm", type=cost_value, default=0.0,
-                        help="time a message takes to arrive (default 0)")
-    parser.add_argument("--t-overhead", type=cost_value, default=0.0,
-                        help="runtime cost added to every F, B and I: posting its messages "
-                        "(default 0)")
+    add_size_args(parser)
+    add_cost_args(parser)
     parser.add_argument("--activation-mb", type=float, required=True, metavar="X",
                         help="MiB one microbatch's activations take on one rank (v=1)")
     parser.add_argument("--memory-budget-mb", type=float, required=True, metavar="Y",
@@ -65,8 +51,11 @@ def run(args) -> int:
     candidates = None
     if args.schedules:
         candidates = [name.strip() for name in args.schedules.split(",") if name.strip()]
-    costs = CostModel(t_f=args.t_f, t_i=args.t_i, t_w=args.t_w, t_b=args.t_b,
-                      t_comm=args.t_comm, t_overhead=args.t_overhead)
+    costs, unit, measured = costs_from_args(args)
+    if args.ranks is None or args.microbatches is None:
+        raise ValueError("select needs --ranks P and --microbatches M (or --costs FILE, "
+                         "whose run gives them)")
+    warn_p_exceeds_m(args.ranks, args.microbatches)
     selection = select_schedules(
         args.ranks, args.microbatches, costs,
         activation_bytes=args.activation_mb * MiB,
@@ -74,31 +63,42 @@ def run(args) -> int:
         candidates=candidates, chunks_options=args.chunks_options,
     )
     if args.format == "json":
-        text = json.dumps(selection.to_dict(), indent=1)
+        data = selection.to_dict()
+        data["unit"] = unit
+        if measured is not None:
+            data["costs_file"] = measured.path
+            data["assume_split"] = args.assume_split
+        text = json.dumps(data, indent=1)
     else:
-        text = render_text(selection)
+        text = render_text(selection, unit)
+        if measured is not None or args.assume_split is not None:
+            text = describe_costs(costs, unit, measured, args.assume_split) + "\n\n" + text
     sys.stdout.write(text + "\n")
     return 0
 
 
-def render_text(selection: Selection) -> str:
+def render_text(selection: Selection, unit: str = "t") -> str:
     p, m = selection.num_ranks, selection.num_microbatches
+    what = "ms (from measured seconds)" if unit == "s" else "t (the unit of the costs)"
     lines = [f"p={p} m={m}; activation {format_bytes(selection.activation_bytes)} per "
              f"microbatch per rank; budget {format_bytes(selection.memory_budget_bytes)} per "
-             "rank; step time in the unit of the costs", ""]
+             f"rank; step time in {what}", ""]
     if selection.ranked:
         best = selection.ranked[0].makespan
-        header = ("#", "schedule", "v", "step time", "vs best", "bubble", "peak memory")
+        header = ("#", "schedule", "v", "step time", "vs best", "bubble", "peak memory",
+                  "peak activations per rank (v=1 units)")
         rows = [
-            (str(i + 1), r.name, str(r.chunks), f"{r.makespan:.4g}",
+            (str(i + 1), r.name, str(r.chunks), format_time(r.makespan, unit),
              f"{r.makespan / best:.3f}" if best > 0 else "-", f"{100 * r.bubble:.1f}%",
-             format_bytes(r.peak_bytes))
+             format_bytes(r.peak_bytes),
+             format_counts(selection.peak_activations_v1(r.name, r.chunks)))
             for i, r in enumerate(selection.ranked)
         ]
         widths = [max(len(h), *(len(row[c]) for row in rows)) for c, h in enumerate(header)]
         lines.append("  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip())
         lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip()
                   for row in rows]
+        lines.append(f"({ACTIVATION_UNIT})")
     else:
         lines.append("no schedule fits the budget")
     if selection.excluded:
