@@ -13,7 +13,8 @@ from bench.provenance import short
 from bench.stats import median, ms_range, quartiles, with_range
 
 TARGETS = {"zb-h1": 0.85, "zb-h2": 0.80, "zb-v": 0.80}
-PARTS = {"emulated": "(a)", "real_gpt": "(b)", "overhead": "(c)", "analysis": "(d)"}
+PARTS = {"emulated": "(a)", "real_gpt": "(b)", "overhead": "(c)", "analysis": "(d)",
+         "nccl_fabric": "(e)"}
 MODEL_NAMES = {"t_comm": "costs + t_comm", "post": "+post (measured posting time per action)",
                "calibrated": "calibrated t_overhead"}
 
@@ -30,6 +31,8 @@ def render(results: dict) -> str:
         body += overhead_markdown(sections["overhead"]["rows"], checks)
     if "analysis" in sections:
         body += analysis_markdown(sections["analysis"]["rows"], checks)
+    if "nccl_fabric" in sections:
+        body += nccl_fabric_markdown(sections["nccl_fabric"], checks)
     out = ["# Benchmark results", "",
            "Each part names the run that produced it; a part rerun alone (`--only`) replaces "
            "its own rows and provenance and leaves the others as they were. Figures are the "
@@ -300,6 +303,46 @@ def analysis_markdown(rows: list, checks: list) -> list[str]:
 
 
 # ------------------------------------------------------------------ plot
+def nccl_fabric_markdown(section: dict, checks: list) -> list[str]:
+    cal = section["calibration"]
+    out = ["## (e) Emulated device over the in-memory NCCL-rules fabric", "",
+           "Threads of one process run the real Executor as on NCCL (the posting "
+           "`runtime.lowering` picks) over `NcclRulesFabric` (rendezvous sends, one Work per "
+           "batch, batches in order per rank, data visible after the wait); stages sleep "
+           "t_F = t_I = t_W = 20 ms per rank (1/v per chunk). Predicted by the simulator's "
+           "NCCL model (`simulate(..., communication=\"nccl\")`: the lowered program timed "
+           "under the same rules) and, beside it, the buffered model. t_overhead = "
+           f"{1000 * cal['t_overhead']:.3f} ms per F/I/B from a separate calibration run of "
+           f"1F1B at p={cal['p']}, m={cal['m']} ({len(cal['steps'])} rounds: "
+           f"{with_range(cal['t_overhead_rounds'], 3, 1000)} ms). Held out: every row but "
+           "that 1F1B.", "",
+           "| p | m | schedule | v | step (ms) | NCCL model (ms) | measured / NCCL model | "
+           "buffered model (ms) | measured / buffered | held out |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+    judged = []
+    for r in section["rows"]:
+        ratio = [s / r["nccl"] for s in r["steps"]]
+        out.append(f"| {r['p']} | {r['m']} | {r['schedule']} | {r['v']} | "
+                   f"{ms_range(r['steps'])} | {1000 * r['nccl']:.1f} | {with_range(ratio)} | "
+                   f"{1000 * r['buffered']:.1f} | "
+                   f"{with_range([s / r['buffered'] for s in r['steps']])} | "
+                   f"{'yes' if r['held_out'] else 'no (calibration)'} |")
+        if r["held_out"]:
+            judged.append((r, median(ratio)))
+    v_rows = [(r, x) for r, x in judged if r["schedule"] in ("zb-v", "dualpipev")]
+    if v_rows:
+        text = "; ".join(f"{r['schedule']} m={r['m']}: {x:.3f}" for r, x in v_rows)
+        checks.append(("(e)", "zb-v and dualpipev within 3% of the simulator (NCCL model, "
+                       "held out)", text, all(abs(x - 1) <= 0.03 for _, x in v_rows)))
+    if judged:
+        inside = sum(abs(x - 1) <= 0.03 for _, x in judged)
+        worst = max(judged, key=lambda rx: abs(rx[1] - 1))
+        checks.append(("(e)", "every held-out schedule within 3% of the NCCL model",
+                       f"{inside} of {len(judged)}; worst {worst[0]['schedule']} "
+                       f"m={worst[0]['m']}: {worst[1]:.3f}", inside == len(judged)))
+    return out + [""]
+
+
 def plot(section: dict, path: Path) -> None:
     import matplotlib
 

@@ -7,7 +7,8 @@
 (a) emulated device (sleeping stages, real Executor over gloo; Megatron's own schedules on a
     fake Megatron model), calibrated on one run and judged on another, (b) the tiny real
     GPTModel: plugin 1f1b vs Megatron's 1F1B over several fresh runs, (c) executor overhead per
-    action, (d) validator and simulator at p=64, m=512.
+    action, (d) validator and simulator at p=64, m=512, (e) every schedule over the in-memory
+    NCCL-rules fabric against the simulator's NCCL model.
 Every figure is a median with its min-max over the repeated runs; every ratio is taken between
 runs of the same process tree, round by round. Every part records the commit, UTC time and
 command that produced it. See bench/README.md.
@@ -30,6 +31,7 @@ from bench import (  # noqa: E402
     calibration,
     emulated_device,
     executor_overhead,
+    nccl_fabric,
     provenance,
     real_gpt,
     report,
@@ -53,7 +55,7 @@ def parse_args(argv=None):
                         "(default 3)")
     parser.add_argument("--gpt-runs", type=int, help="(b) fresh process trees (default 5; "
                         "--quick: 3)")
-    parser.add_argument("--only", default="abcd", help="which parts to run, e.g. 'ab'")
+    parser.add_argument("--only", default="abcde", help="which parts to run, e.g. 'ab'")
     parser.add_argument("--niceness", type=int, default=-20,
                         help="renice the emulated-device ranks (sleep-bound; 0: leave alone)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
@@ -70,7 +72,8 @@ def main(argv=None) -> int:
         print(write(results, args.out).splitlines()[-1])
         return 0
     parts = {"a": ("emulated", run_emulated), "b": ("real_gpt", run_real_gpt),
-             "c": ("overhead", run_overhead), "d": ("analysis", run_analysis)}
+             "c": ("overhead", run_overhead), "d": ("analysis", run_analysis),
+             "e": ("nccl_fabric", run_nccl_fabric)}
     for letter, (key, runner) in parts.items():
         if letter in args.only:
             # taken per part: the tree may change under a long run (others edit it too)
@@ -150,6 +153,16 @@ def run_analysis(args) -> dict:
     print("(d) validator and simulator at p=64, m=512 ...", flush=True)
     names = ["interleaved", "zb-v", "dualpipev"] if args.quick else None
     return {"rows": bench_analysis.measure(64, 512, repeats=3, names=names)}
+
+
+def run_nccl_fabric(args) -> dict:
+    """p=4: a calibration run (1F1B alone) for t_overhead, then every schedule judged."""
+    p, ms, reps = 4, ((8,) if args.quick else (8, 16)), args.reps or 3
+    print(f"(e) NCCL-rules fabric: calibration p={p} m={ms[0]} ...", flush=True)
+    cal = nccl_fabric.calibrate(p, ms[0], T, reps=5)
+    print(f"(e) NCCL-rules fabric: judged p={p} m={ms} ...", flush=True)
+    return {"p": p, "ms": list(ms), "reps": reps, "calibration": cal,
+            "rows": nccl_fabric.run(p, ms, T, reps, cal)}
 
 
 if __name__ == "__main__":
