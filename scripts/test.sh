@@ -4,6 +4,8 @@
 #   bash scripts/test.sh [pytest args]      (default: -q tests)
 #
 # 1. sets up .venv/ (scripts/setup_env.sh: reused when requirements.txt and setup.py are unchanged);
+#    and installs Debian's chromium if /usr/bin/chromium is missing (as root), for the HTML check
+#    in a headless browser (tests/test_html_browser.py);
 # 2. starts a one-node SLURM on this machine (scripts/slurm/local_cluster.sh start: as root on
 #    Debian, installs slurm-wlm + munge if missing) for tests/test_slurm.py, and stops it on exit;
 #    a SLURM already running from $LOCAL_SLURM_DIR is used and left running;
@@ -13,6 +15,24 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 bash scripts/setup_env.sh
+
+# tests/test_html_browser.py checks the HTML timelines in a headless browser: Debian's chromium,
+# installed here when it is missing (as root, with apt-get; $CHROMIUM names another binary).
+if [ -z "${CHROMIUM:-}" ] && [ ! -x /usr/bin/chromium ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "test.sh: installing chromium (apt-get) for the headless-browser test"
+    log=$(mktemp)
+    if ! { timeout 900 apt-get update -q && DEBIAN_FRONTEND=noninteractive \
+           timeout 900 apt-get install -y -q chromium; } >"$log" 2>&1; then
+      tail -n 20 "$log" >&2
+      echo "test.sh: could not install chromium (see above): the browser test will fail" >&2
+    fi
+    rm -f "$log"
+  else
+    echo "test.sh: no /usr/bin/chromium and not root: the browser test will fail" \
+         "(install it with: apt-get install -y chromium)" >&2
+  fi
+fi
 
 CLUSTER=scripts/slurm/local_cluster.sh
 export LOCAL_SLURM_DIR=${LOCAL_SLURM_DIR:-/tmp/megatron-pp-slurm}
