@@ -25,7 +25,13 @@ from megatron_pp_ext.analysis.nccl_rules import (
 from megatron_pp_ext.ir import Schedule, ScheduleError
 from megatron_pp_ext.runtime.executor import Executor
 from megatron_pp_ext.runtime.inmemory import run_ranks_in_threads
-from megatron_pp_ext.runtime.lowering import LOCKSTEP, MEGATRON, lower, nccl_posting
+from megatron_pp_ext.runtime.lowering import (
+    LOCKSTEP,
+    MEGATRON,
+    lower,
+    nccl_posting,
+    nccl_program,
+)
 from megatron_pp_ext.runtime.messages import lockstep_rounds
 from megatron_pp_ext.schedules import build_schedule
 from support.emulated import microbatch_inputs, stage_weights
@@ -174,36 +180,48 @@ def test_lockstep_rounds_are_a_unit_cost_run():
 
 
 # ------------------------------------------------------------------ running on NCCL's rules
+def _run_as_lowered(schedule, where: str, delays=None):
+    """One step over the NCCL-rules fabric: executed actions = the lists, every rank's posted
+    batches = the lowered program's (``nccl_program``: the posting the executor picks),
+    gradients = pp=1."""
+    fabric = NcclRulesFabric(schedule.num_ranks)
+    results = run_inmemory(schedule, delays=delays, nccl_rules=True, timeout_s=20, fabric=fabric)
+    program = nccl_program(schedule)
+    for rank, (result, work) in enumerate(results):
+        assert [str(a) for a in result.executed] == [str(a) for a in schedule.actions[rank]]
+        assert work.computed == [str(a) for a in schedule.actions[rank]]
+        assert fabric.posted[rank] == [[(op.kind, op.peer) for op in batch.ops]
+                                       for batch in program.batches(rank)], (where, rank)
+    assert_equals_pp1(results, schedule, where)
+
+
 @pytest.mark.parametrize("name", SCHEDULES)
 def test_every_schedule_runs_on_the_nccl_rules_fabric(name):
-    """p 1..8 x m 1..16 (a spread): executed order = the list, gradients = pp=1."""
-    runs, sizes = 0, [(p, m) for p in range(1, 9)
-                      for m in ((1, 2, 3, 5, 8, 16) if p <= 4 else (1, p, 16))]
+    """The whole matrix p 1..8 x m 1..16 (v as the schedule needs)."""
+    runs, sizes = 0, [(p, m) for p in range(1, 9) for m in range(1, 17)]
     for p, m in sizes:
         schedule = _build(name, p, m)
         if schedule is None:
             continue
-        results = run_inmemory(schedule, nccl_rules=True, timeout_s=20)
-        for rank, (result, work) in enumerate(results):
-            assert [str(a) for a in result.executed] == [str(a) for a in schedule.actions[rank]]
-            assert work.computed == [str(a) for a in schedule.actions[rank]]
-        assert_equals_pp1(results, schedule, f"{name} p={p} m={m}")
+        _run_as_lowered(schedule, f"{name} p={p} m={m}")
         runs += 1
     assert runs == (sum(_runs_interleaved(p, m) for p, m in sizes) if name == "interleaved"
                     else len(sizes))
 
 
 def test_random_delays_on_the_nccl_rules_fabric():
-    """60 runs, random schedule, size and per-rank delays: no hang, gradients = pp=1."""
+    """200 runs, random schedule, size and per-rank delays: no hang, posted = the program,
+    gradients = pp=1."""
     rng = random.Random(11)
-    for _ in range(60):
-        name, p, m = rng.choice(SCHEDULES), rng.randint(2, 5), rng.randint(1, 9)
+    runs = 0
+    while runs < 200:
+        name, p, m = rng.choice(SCHEDULES), rng.randint(2, 6), rng.randint(1, 12)
         schedule = _build(name, p, m)
         if schedule is None:
             continue
-        delays = [rng.choice([0.0, 0.0005, 0.002]) for _ in range(p)]
-        assert_equals_pp1(run_inmemory(schedule, delays=delays, nccl_rules=True, timeout_s=20),
-                          schedule, f"{name} p={p} m={m} delays={delays}")
+        delays = [rng.choice([0.0, 0.0002, 0.001]) for _ in range(p)]
+        _run_as_lowered(schedule, f"{name} p={p} m={m} delays={delays}", delays)
+        runs += 1
 
 
 def test_the_fabric_hangs_where_the_checker_says():

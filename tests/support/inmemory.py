@@ -39,16 +39,17 @@ class RecordingWork(EmulatedStageWork):
 
 
 def run_inmemory(schedule, delays=None, costs: EmulatedCosts | None = None, timeout_s=20.0,
-                 trace=False, nccl_rules=False, variable_shapes=False, timers=None):
+                 trace=False, nccl_rules=False, variable_shapes=False, timers=None,
+                 fabric: NcclRulesFabric | None = None):
     """Returns per rank: (StepResult, RecordingWork). ``nccl_rules``: over the fabric that
-    enforces NCCL's rules (support.nccl_fabric), posting as the executor does on NCCL.
-    ``timers``: one Megatron ``Timers`` per rank (a process has its own; threads must not
-    share one)."""
+    enforces NCCL's rules (support.nccl_fabric; pass ``fabric`` to read what was posted),
+    posting as the executor does on NCCL. ``timers``: one Megatron ``Timers`` per rank (a
+    process has its own; threads must not share one)."""
     weights = stage_weights(schedule.num_stages, WIDTH)
     inputs = microbatch_inputs(schedule.num_microbatches, ROWS, WIDTH)
-    fabric, posting, ahead = None, None, False
+    posting, ahead = None, False
     if nccl_rules:
-        fabric = NcclRulesFabric(schedule.num_ranks)
+        fabric = fabric or NcclRulesFabric(schedule.num_ranks)
         posting = nccl_posting(schedule, variable_shapes)
         ahead = posting is None and nccl_post_ahead(schedule, variable_shapes)
 

@@ -85,6 +85,9 @@ class NcclRulesFabric:
         self.sends = collections.defaultdict(collections.deque)
         self.recvs = collections.defaultdict(collections.deque)
         self.batches_run = [0] * world_size
+        # per rank, each posted batch as [(kind, peer), ...]: what ran, to hold against the
+        # lowered program
+        self.posted: list[list[list[tuple[str, int]]]] = [[] for _ in range(world_size)]
         self.streams = [threading.Thread(target=self._stream, args=(r,), daemon=True,
                                          name=f"nccl-stream-{r}") for r in range(world_size)]
         for stream in self.streams:
@@ -101,6 +104,7 @@ class NcclRulesFabric:
     # ------------------------------------------------------------------ host side
     def post(self, batch: _Batch) -> None:
         with self.lock:
+            self.posted[batch.rank].append([(op.kind, op.peer) for op in batch.ops])
             self.queues[batch.rank].append(batch)
             self.lock.notify_all()
 
