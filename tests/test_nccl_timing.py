@@ -116,3 +116,16 @@ def test_receives_posted_ahead_where_proven_and_faster():
     assert [(e.label, e.start) for e in plain.compute_events(1)][:2] == [("1F0", 1.5),
                                                                         ("1F1", 3.0)]
     assert ahead.makespan < plain.makespan
+
+
+def test_simulate_command_draws_the_batches(capsys):
+    from megatron_pp_ext.cli import main
+
+    assert main(["simulate", "--schedule", "dualpipev", "-p", "2", "-m", "4", "--t-comm",
+                 "0.2", "--communication", "nccl"]) == 0
+    out = capsys.readouterr().out
+    timeline = simulate(build_schedule("dualpipev", 2, 4),
+                        CostModel(t_f=1, t_i=1, t_w=1, t_comm=0.2), communication="nccl")
+    assert f"makespan={timeline.makespan:g}" in out
+    rows = [line.split("|")[0].strip() for line in out.splitlines() if "|" in line]
+    assert rows[:4] == ["r0", "r0 p2p", "r1", "r1 p2p"]

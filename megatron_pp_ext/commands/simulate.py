@@ -177,6 +177,11 @@ def register(subparsers) -> None:
                         help="print instead the P2P program the executor posts on NCCL (one "
                         "row per rank: actions, (ops)BATCH#k, WAIT#k), checked against "
                         "NCCL's rules")
+    parser.add_argument("--communication", choices=("buffered", "nccl"), default="buffered",
+                        help="how messages are charged: buffered (a message leaves when its "
+                        "producer ends, + t_comm; default) or nccl (the program the executor "
+                        "posts on NCCL, timed under NCCL's rules: rendezvous sends, one "
+                        "stream of batches per rank; its batches are drawn as p2p rows)")
     parser.set_defaults(func=run)
 
 
@@ -210,13 +215,15 @@ def make_schedule(args) -> Schedule:
 def nccl_program_text(schedule: Schedule) -> str:
     """The lowered program the executor posts on NCCL, after checking it (raises if it could
     hang), with a first line saying which posting it uses."""
-    from ..runtime.lowering import LOCKSTEP, MEGATRON, lower, nccl_posting
+    from ..runtime.lowering import LOCKSTEP, MEGATRON, nccl_post_ahead, nccl_posting, nccl_program
 
     posting = MEGATRON if nccl_posting(schedule) is None else LOCKSTEP
     why = ("Megatron's fused calls pass NCCL's rules" if posting == MEGATRON else
            "Megatron's fused calls could hang under NCCL's rules, so one batch per round")
+    if posting == MEGATRON and nccl_post_ahead(schedule):
+        why += "; receives posted ahead of the compute, proven safe and faster"
     return (f"# {schedule.name}: {posting} posting ({why}); checked: no hang, every pair "
-            f"matched in order\n" + lower(schedule, posting).to_csv())
+            f"matched in order\n" + nccl_program(schedule).to_csv())
 
 
 def run(args) -> int:
@@ -233,7 +240,8 @@ def run(args) -> int:
     if measured is not None and schedule.num_ranks != measured.num_ranks:
         raise ValueError(f"{args.costs} has costs of {measured.num_ranks} pipeline ranks; "
                          f"the schedule has {schedule.num_ranks}")
-    timeline = simulate(schedule, costs, channels=args.channels)  # validates first
+    timeline = simulate(schedule, costs, channels=args.channels,  # validates first
+                        communication=args.communication)
     timeline.unit = unit
     notes = describe_costs(costs, unit, measured, args.assume_split) if measured else None
     if args.format == "ascii":
