@@ -155,6 +155,8 @@ class MegatronStageWork:
         self.cp_size, self.collect_non_loss_data = cp_size, collect_non_loss_data
         self.first_val_step, self.forward_only = first_val_step, forward_only
         self.grad_sync, self.weight_split = grad_sync, weight_split
+        if weight_split is not None and getattr(weight_split, "schedule_name", None) is None:
+            weight_split.schedule_name = schedule.name  # named in its warning
         self.forward_data_store: list = []
         self.total_num_tokens = torch.zeros([], dtype=torch.int, device=token_device)
         self.saved: dict[tuple, tuple] = {}  # (stage, mb) -> (input, output)
@@ -227,7 +229,10 @@ class MegatronStageWork:
                     f"schedule {self.schedule.name!r} splits the backward into I and W, which "
                     "needs the I/W split of megatron_pp_ext.runtime.wgrad (not enabled here)")
             grad = self.weight_split.backward_input(action, input_tensor, output, output_grad,
-                                                    self.config)
+                                                    self.config, chunk=self._chunk(action.stage))
+        elif self.weight_split is not None:  # a full B inside a split step (DualPipeV)
+            grad = self.weight_split.backward_full(action, input_tensor, output, output_grad,
+                                                   self.config, chunk=self._chunk(action.stage))
         else:
             grad = backward_step(input_tensor, output, output_grad, self.config)
         self.grad_sync.after(action)
@@ -237,6 +242,11 @@ class MegatronStageWork:
         assert action.kind == BACKWARD_WEIGHT
         self.weight_split.backward_weight(action, self._chunk(action.stage))
         self.grad_sync.after(action)
+
+    def weight_grad_stats(self) -> dict | None:
+        """This step's weight-gradient GEMMs on this rank: how many I queued and W ran, and
+        W's time on them (``runtime.wgrad.WeightGradStats``); None without an I/W split."""
+        return None if self.weight_split is None else self.weight_split.stats.as_dict()
 
     def deallocate(self, output) -> None:
         deallocate_output_tensor(output, self.config.deallocate_pipeline_outputs)

@@ -100,11 +100,19 @@ def make_transformer_config(
     cfg: TinyGPTConfig = TinyGPTConfig(),
     pp_size: int = 1,
     vp_size: Optional[int] = None,
+    tp_size: int = 1,
+    sequence_parallel: bool = False,
     **overrides: Any,
 ):
     """Megatron ``TransformerConfig`` for the tiny GPT: fp32 everywhere (params, pipeline),
     no dropout, deterministic, no fusions, CPU initialization. ``overrides`` go straight to
     ``TransformerConfig`` (e.g. ``deallocate_pipeline_outputs=True``).
+
+    ``tp_size`` / ``sequence_parallel``: Megatron's tensor parallelism (its column/row parallel
+    linears, the vocabulary-parallel embedding and loss) and sequence parallelism; Megatron's
+    parallel state must have the same tensor-parallel size (``init_megatron(..., tp=tp_size)``).
+    With sequence parallelism :func:`build_model_chunks` uses :class:`SequenceParallelTorchNorm`
+    (Megatron's torch norm refuses it; apex and TE are GPU-only).
 
     P2P flags follow ``megatron.training``'s defaults rather than ``TransformerConfig``'s:
     interleaved (vp set) -> ``overlap_p2p_comm=True, batch_p2p_comm=False``; otherwise
@@ -127,7 +135,8 @@ def make_transformer_config(
         ffn_hidden_size=cfg.ffn_hidden_size,
         pipeline_model_parallel_size=pp_size,
         virtual_pipeline_model_parallel_size=vp_size,
-        tensor_model_parallel_size=1,
+        tensor_model_parallel_size=tp_size,
+        sequence_parallel=sequence_parallel,
         params_dtype=torch.float32,
         pipeline_dtype=torch.float32,
         fp16=False,
@@ -208,6 +217,32 @@ def stage_layers(cfg: TinyGPTConfig, stage: int, n_stages: int) -> range:
 # --------------------------------------------------------------------------------------------
 
 
+class SequenceParallelTorchNorm(torch.nn.LayerNorm):
+    """torch's ``LayerNorm`` with Megatron's norm signature whose parameters carry
+    ``sequence_parallel`` (as Megatron's apex ``FusedLayerNorm`` and ``TENorm`` mark theirs), so
+    ``finalize_model_grads`` all-reduces their gradients over the tensor-parallel group. For
+    sequence parallelism on the CPU: Megatron's ``WrappedTorchNorm`` asserts it is off."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_unused: Any):
+        super().__init__(hidden_size, eps=eps)
+        for param in self.parameters():
+            setattr(param, "sequence_parallel", bool(config.sequence_parallel))
+
+
+def transformer_layer_spec(config, layer_spec=None):
+    """The layer spec the tiny GPT is built from: ``layer_spec`` (default Megatron's
+    ``get_gpt_layer_local_spec()``), its norms swapped for :class:`SequenceParallelTorchNorm`
+    when ``config.sequence_parallel``."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    spec = layer_spec if layer_spec is not None else get_gpt_layer_local_spec()
+    if not config.sequence_parallel:
+        return spec
+    submodules = dataclasses.replace(spec.submodules, input_layernorm=SequenceParallelTorchNorm,
+                                     pre_mlp_layernorm=SequenceParallelTorchNorm)
+    return dataclasses.replace(spec, submodules=submodules)
+
+
 def build_model_chunks(
     cfg: TinyGPTConfig = TinyGPTConfig(),
     pp_rank: Optional[int] = None,
@@ -218,6 +253,7 @@ def build_model_chunks(
     wrap_ddp: bool = False,
     ddp_config=None,
     init: bool = True,
+    layer_spec=None,
 ) -> list[torch.nn.Module]:
     """This rank's model chunks (a list, chunk ``c`` has ``vp_stage=c``), built with Megatron's
     own ``GPTModel`` and ``get_gpt_layer_local_spec``. Megatron's parallel state must be
@@ -227,10 +263,14 @@ def build_model_chunks(
     :func:`make_transformer_config`. With ``wrap_ddp`` each chunk is wrapped in Megatron's
     ``DistributedDataParallel`` like ``megatron.training.get_model`` does (bucketing disabled
     for chunks after the first); grads then land in ``param.main_grad``. ``init`` fills every
-    parameter from its global name (see the module doc)."""
+    parameter from its global name (see the module doc; under tensor parallelism each rank's
+    shard is filled from the name too, so the shards of one weight are equal, not slices of a
+    pp=1 weight: compare runs of the same tp). ``layer_spec``: a ``TransformerLayer`` spec to
+    build from instead of Megatron's local one (e.g. other linear modules; see
+    :func:`transformer_layer_spec`)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
     if pp_rank is None:
         pp_rank = parallel_state.get_pipeline_model_parallel_rank()
@@ -273,9 +313,14 @@ def build_model_chunks(
             mg_post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
             assert (mg_pre, mg_post) == (pre_process, post_process), (stage, mg_pre, mg_post)
             pre_process, post_process = mg_pre, mg_post
+        spec = transformer_layer_spec(config, layer_spec)
+        if config.sequence_parallel:  # the block's final norm too
+            spec = TransformerBlockSubmodules(
+                layer_specs=[spec] * len(stage_layers(cfg, stage, n_stages)),
+                layer_norm=SequenceParallelTorchNorm)
         model = GPTModel(
             config=config,
-            transformer_layer_spec=get_gpt_layer_local_spec(),
+            transformer_layer_spec=spec,
             vocab_size=cfg.vocab_size,
             max_sequence_length=cfg.seq_length,
             pre_process=pre_process,
