@@ -206,8 +206,8 @@ def _from_summary(path: str, data: dict) -> MeasuredCosts:
     if not measured:
         raise ValueError(f"{path} has no measured costs (measured_costs_per_rank_s is "
                          f"{measured!r}): the run was not traced; run train without --no-trace")
-    ran = data.get("auto_choice") or data.get("schedule")
-    if data.get("auto_choice"):
+    ran = data.get("schedule")
+    if data.get("auto_choice"):  # auto measured first, then ran its choice
         ran = f"{data['auto_choice']} (auto)"
     p = int(data.get("pp") or len(measured["t_f"]))
     for key, values in measured.items():
@@ -290,9 +290,9 @@ def _from_timeline(path: str, timeline: Timeline, what: str) -> MeasuredCosts:
     shares = {}
     for kind in kinds:
         per_rank = [0.0] * p
-        for (rank, _stage, k), value in total.items():
-            if k == kind:
-                per_rank[rank] += value / count[(rank, _stage, k)]  # a stage's mean, summed
+        for key, value in total.items():
+            if key[2] == kind:
+                per_rank[key[0]] += value / count[key]  # each stage's mean, summed over the rank
         shares[kind] = per_rank
     if "F" not in shares:
         raise ValueError(f"{path} has no forward (F) events")

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from ..analysis.costs import (ACTIVATION_UNIT, MeasuredCosts, activations_in_v1_units,
-                              assume_split, format_counts, format_seconds, load_costs)
+                              assume_split, format_counts, load_costs)
 from ..analysis.render import render_ascii, render_chrome_trace, render_html
 from ..analysis.simulate import CostModel, simulate
 from ..analysis.validate import CHANNELS
