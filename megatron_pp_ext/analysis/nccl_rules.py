@@ -20,6 +20,7 @@ messages would be matched with the wrong ones. Pure: no torch, no communication.
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -75,8 +76,8 @@ class Program:
     def batches(self, rank: int) -> list[Batch]:
         return [step.batch for step in self.steps[rank] if isinstance(step, Post)]
 
-    def to_csv(self) -> str:
-        """One row per rank in the text form of torch.distributed.pipelining's lowered
+    def cells(self) -> list[list[str]]:
+        """Per rank, its steps in the text form of torch.distributed.pipelining's lowered
         schedules: compute actions as they are ("2F0"), a batch of P2P ops as
         ``(2SEND_F2;3RECV_B0)BATCH#5`` (its ops posted together, in one NCCL group; a lone
         op is a batch of one), and ``WAIT#5`` where the host waits on batch 5."""
@@ -91,8 +92,16 @@ class Program:
                     cells.append(f"({names})BATCH#{step.batch.index}")
                 else:
                     cells.append(f"WAIT#{step.batch}")
-            rows.append(",".join(cells))
-        return "\n".join(rows) + "\n"
+            rows.append(cells)
+        return rows
+
+    def to_csv(self) -> str:
+        """One row per rank of ``cells``."""
+        return "\n".join(",".join(row) for row in self.cells()) + "\n"
+
+    def to_json(self) -> str:
+        """``{"name": ..., "ranks": [[cell, ...], ...]}`` with the cells of ``cells``."""
+        return json.dumps({"name": self.name, "ranks": self.cells()}, indent=1)
 
     def text(self, rank: int) -> str:
         """One line per step, e.g. ``post #3 [send forward 1F2 -> 1, recv backward 0B0 <- 1]``."""

@@ -134,16 +134,19 @@ MEGATRON, LOCKSTEP = "megatron", "lockstep"  # the executor's two ways of postin
 
 
 def lower(schedule: Schedule, posting: str = MEGATRON,
-          variable_shapes: bool = False, post_ahead: bool = False) -> Program:
+          variable_shapes: bool = False, post_ahead: bool = False,
+          postings: list | None = None) -> Program:
     """The executor's P2P program for ``schedule`` on NCCL (see the module docstring):
     ``megatron`` posting fuses a send with the next receive going the other way, as
     Megatron's 1F1B does; ``lockstep`` posts one batch per round (``lockstep_posting``).
     ``variable_shapes``: every call first exchanges its shape headers in a batch of its own
-    and waits on it, as the transport does on NCCL."""
+    and waits on it, as the transport does on NCCL. ``postings``: each rank's lockstep-seam
+    posting given explicitly (a user's program, ``user_program.postings``)."""
     program = Program(f"schedule {schedule.name} (p={schedule.num_ranks}, "
                       f"m={schedule.num_microbatches}, v={schedule.chunks}, {posting} "
                       f"posting{', variable shapes' if variable_shapes else ''})")
-    postings = lockstep_postings(schedule) if posting == LOCKSTEP else None
+    if postings is None and posting == LOCKSTEP:
+        postings = lockstep_postings(schedule)
     incoming = sent_to_each_rank(schedule)
     for rank in range(schedule.num_ranks):
         recorder = _Recorder(rank)
@@ -175,6 +178,37 @@ def nccl_posting(schedule: Schedule, variable_shapes: bool = False) -> dict[int,
     the cycle) if neither program passes ``check_nccl_rules``: before any byte moves."""
     posting, _ = _checked_program(schedule, variable_shapes)
     return None if posting == MEGATRON else dict(enumerate(lockstep_postings(schedule)))
+
+
+def user_postings(schedule: Schedule, program: Program,
+                  variable_shapes: bool = False) -> list:
+    """The executor's postings for a user's own ``program`` (a CSV with communication):
+    lowered with them, every rank's batches must be the user's, op for op, and the result
+    must pass ``check_nccl_rules``; otherwise ``ScheduleError`` before any byte moves."""
+    from .user_program import postings as derive
+
+    postings = derive(schedule, program)
+    try:
+        lowered = lower(schedule, variable_shapes=variable_shapes, postings=postings)
+    except RuntimeError as exc:  # e.g. receives posted out of a peer's sending order
+        raise ScheduleError(f"{program.name}: the executor cannot run it: {exc}") from None
+    for rank in range(schedule.num_ranks):
+        # shape headers are the transport's own batches: compared without them
+        theirs, ours = ([ops for ops in ([(op.kind, op.peer, op.label) for op in b.ops
+                                          if not op.label.startswith("shape of ")]
+                                         for b in p.batches(rank)) if ops]
+                        for p in (program, lowered))
+        if theirs != ours:
+            k = next((k for k, (a, b) in enumerate(zip(theirs, ours)) if a != b),
+                     min(len(theirs), len(ours)))
+            raise ScheduleError(
+                f"{program.name}: rank {rank}'s batch #{k} as written is "
+                f"{theirs[k] if k < len(theirs) else 'missing'}, but the executor would post "
+                f"{ours[k] if k < len(ours) else 'nothing'} there (every message needs a "
+                "batch; a send goes right after its action): fix the CSV, or leave its "
+                "communication out to have it derived")
+    check_nccl_rules(lowered)
+    return postings
 
 
 # Unit costs with messages of half and one forward: where posting ahead must not lose.
@@ -212,4 +246,5 @@ def nccl_program(schedule: Schedule, variable_shapes: bool = False) -> Program:
     return program
 
 
-__all__ = ["MEGATRON", "LOCKSTEP", "lower", "nccl_posting", "nccl_post_ahead", "nccl_program"]
+__all__ = ["MEGATRON", "LOCKSTEP", "lower", "nccl_posting", "nccl_post_ahead", "nccl_program",
+           "user_postings"]
