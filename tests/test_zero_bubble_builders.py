@@ -41,7 +41,7 @@ BUILDERS = {
     "dualpipev": build_dualpipev,
 }
 COSTS = {"F": 1, "I": 1, "W": 1, "B": 2}
-EQUAL = CostModel(t_f=1, t_i=1, t_w=1, t_b=2, t_comm=0)
+EQUAL = CostModel.for_stages(t_f=1, t_i=1, t_w=1, t_b=2, t_comm=0)  # per action of a stage
 
 
 # ---------------------------------------------------------------- our own checker + eager run
@@ -385,7 +385,7 @@ def test_dualpipev_bubble_and_memory_match_dualpipe_table():
     t_f, t_i, t_w = 3, 3, 1
     t_b = t_i + t_w
     cost = {"F": t_f, "I": t_i, "W": t_w, "B": t_b}
-    model = CostModel(t_f=t_f, t_i=t_i, t_w=t_w, t_b=t_b, t_comm=0)
+    model = CostModel.for_stages(t_f=t_f, t_i=t_i, t_w=t_w, t_b=t_b, t_comm=0)
     for p in range(1, 9):
         stages = 2 * p  # DualPipe's PP
         for m in (2 * p, 2 * p + 1, 3 * p + 4):
