@@ -56,9 +56,8 @@ def test_calibrated_costs_are_the_measured_means_per_stage_and_kind():
                            trace=True)
     timeline = trace.local_timeline(schedule, [result for result, _ in results])
     costs = trace.calibrated_costs(timeline, schedule)
-    for stage in range(2):
-        assert costs.t_f[stage] == pytest.approx(0.004, abs=0.003)
-        assert costs.t_b[stage] == pytest.approx(0.004, abs=0.003)
+    for stage in range(2):  # at least the sleeps (a busy machine only adds; no upper bound)
+        assert costs.t_f[stage] >= 0.004 and costs.t_b[stage] >= 0.004
     means = trace.mean_durations(timeline)
     assert costs.t_f == [means[(0, "F")], means[(1, "F")]]
     assert costs.t_b == [means[(0, "B")], means[(1, "B")]]
