@@ -1,17 +1,24 @@
-"""Schedule builders and their registry.
+"""Schedule builders and their registry, the names they answer to, and schedule files.
 
 Each builder is a pure function ``(num_ranks, num_microbatches, chunks, **options) -> Schedule``;
 the registry states each one's layout and constraints, and ``build_schedule`` validates
-every schedule it returns.
+every schedule it returns. Names are compared case-insensitively, and PyTorch's
+(``torch.distributed.pipelining.get_schedule_class``, which torchtitan's
+``pipeline_parallel_schedule`` uses) are aliases where they name the same schedule
+(``ALIASES``). A schedule *file* (``.csv`` in PyTorch's compute-only format, or ``.json``) is
+loaded and checked by ``load_schedule_file``.
 """
 
 from __future__ import annotations
 
 import difflib
+import functools
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
-from ..ir import Schedule, ScheduleError
+from ..ir import FORWARD, Schedule, ScheduleError
+from ._common import loop_placement, v_placement
 from .dualpipev import build_dualpipev
 from .gpipe import build_gpipe
 from .interleaved import build_interleaved
@@ -59,24 +66,156 @@ REGISTRY: dict[str, ScheduleSpec] = {
 }
 
 
+#: PyTorch's schedule names (``torch.distributed.pipelining.schedules.get_schedule_class``,
+#: compared case-insensitively there too; torchtitan passes its ``pipeline_parallel_schedule``
+#: to it) that name one of ours, lower-cased -> (ours, PyTorch's spelling). Checked against
+#: torch 2.13's builders: Interleaved1F1B writes the same order as ``interleaved`` when m is a
+#: multiple of p (p = 2, 4; m = 2p, 3p); DualPipeV writes ``dualpipev``'s
+#: ``match_dualpipe=True`` order (p = 2, 3, 4; m = 2p..4p; by default ours moves some chunk-0
+#: forwards so that every rank interleaves its messages alike, at the same unit-cost makespan
+#: and peak); ZBVZeroBubble is the published ZB-V, which starts rank 0 with 2p-1 chunk-0
+#: forwards where ``zb-v`` interleaves sooner (same V layout and split backward, the same
+#: unit-cost makespan at p = 2, 4). PyTorch's exact order of any of them runs as a CSV file.
+#: Not aliased, as no schedule here is the same: InterleavedZeroBubble (the I/W split over
+#: v >= 2 loop-layout chunks; zb-h1 and zb-h2 run one chunk per rank) and LoopedBFS
+#: (``NO_EQUIVALENT`` says what to do instead).
+ALIASES: dict[str, tuple[str, str]] = {
+    "gpipe": ("gpipe", "GPipe"),
+    "1f1b": ("1f1b", "1F1B"),
+    "interleaved1f1b": ("interleaved", "Interleaved1F1B"),
+    "zbvzerobubble": ("zb-v", "ZBVZeroBubble"),
+    "dualpipev": ("dualpipev", "DualPipeV"),
+}
+NO_EQUIVALENT: dict[str, str] = {
+    "interleavedzerobubble": (
+        "PyTorch's InterleavedZeroBubble splits the backward over v >= 2 chunks in the loop "
+        "layout; no built-in schedule here does that (zb-h1 and zb-h2 run one chunk per rank)"),
+    "loopedbfs": (
+        "PyTorch's LoopedBFS runs every microbatch of one chunk before the next chunk; no "
+        "built-in schedule here does that"),
+}
+SCHEDULE_FILE_SUFFIXES = (".csv", ".json")
+
+
 def schedule_names() -> list[str]:
     return list(REGISTRY)
 
 
+def _unknown(name: str) -> ScheduleError:
+    key = str(name).strip().lower()
+    if key in NO_EQUIVALENT:
+        return ScheduleError(
+            f"schedule {name!r} has no equivalent here: {NO_EQUIVALENT[key]}. Write its order "
+            "to a CSV (PyTorch's format: a row per rank, an action per cell) and pass the file "
+            "as the schedule, or choose one of " + ", ".join(REGISTRY))
+    candidates = {n: repr(n) for n in REGISTRY}
+    candidates.update({alias: f"{spelled!r} ({ours})" for alias, (ours, spelled)
+                       in ALIASES.items() if alias not in REGISTRY})
+    close = difflib.get_close_matches(key, candidates, n=1)
+    hint = f" Did you mean {candidates[close[0]]}?" if close else ""
+    torch_names = ", ".join(spelled for _, spelled in ALIASES.values())
+    return ScheduleError(
+        f"unknown schedule {name!r}: choose one of {', '.join(REGISTRY)} (in any case; "
+        f"PyTorch's names {torch_names} work too), or give a schedule file "
+        f"(.csv or .json).{hint}")
+
+
+def canonical_name(name: str) -> str:
+    """The registry's name for ``name``: any case, or PyTorch's name for the same schedule
+    (``ALIASES``). Raises ``ScheduleError`` listing the names, with the closest one."""
+    if not isinstance(name, str):
+        raise ScheduleError(f"a schedule name must be a string, got {name!r}")
+    key = name.strip().lower()
+    if key in REGISTRY:
+        return key
+    if key in ALIASES:
+        return ALIASES[key][0]
+    raise _unknown(name)
+
+
 def get_spec(name: str) -> ScheduleSpec:
-    if name not in REGISTRY:
-        close = difflib.get_close_matches(name, REGISTRY, n=1)
-        hint = f" Did you mean {close[0]!r}?" if close else ""
+    return REGISTRY[canonical_name(name)]
+
+
+# --------------------------------------------------------------------------------------------
+# Schedule files (PyTorch's compute-only CSV, or our JSON)
+# --------------------------------------------------------------------------------------------
+
+
+def is_schedule_file(name) -> bool:
+    """Whether ``name`` names a schedule file rather than a schedule (``.csv`` or ``.json``)."""
+    return isinstance(name, str) and name.strip().lower().endswith(SCHEDULE_FILE_SUFFIXES)
+
+
+def read_schedule_file(path: str) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError as exc:
+        raise ScheduleError(f"cannot read schedule file {path}: {exc.strerror or exc}") from None
+
+
+def schedule_layout(schedule: Schedule) -> str | None:
+    """``"loop"`` (chunk c of rank r is stage c*p + r: Megatron's), ``"v"`` (rank r holds
+    stages r and 2p-1-r), or None for any other stage-to-rank mapping."""
+    p, stages = schedule.num_ranks, schedule.num_stages
+    if p >= 1 and stages % p == 0 and schedule.stage_to_rank == loop_placement(p, stages // p):
+        return "loop"
+    if stages == 2 * p and schedule.stage_to_rank == v_placement(p):
+        return "v"
+    return None
+
+
+@functools.lru_cache(maxsize=32)
+def parse_schedule_file(text: str, path: str, forward_only: bool = False) -> Schedule:
+    """A schedule file's text (``path`` says which format and names the schedule), validated
+    and checked that it can run: every rank holds its stages in the loop or the V layout (the
+    ones a model can be built for). ``forward_only``: the run Megatron makes for evaluation,
+    each rank's forwards in the file's order. Cached: the same object for the same text."""
+    from ..analysis.validate import validate_schedule
+
+    if forward_only:
+        full = parse_schedule_file(text, path)
+        only = Schedule(full.name, full.num_microbatches, full.stage_to_rank,
+                        [[a for a in row if a.kind == FORWARD] for row in full.actions],
+                        {**full.options, "forward_only": True, "overlapped_pairs": False})
+        validate_schedule(only)
+        return only
+    name = Path(path).stem or "csv"
+    try:
+        if path.strip().lower().endswith(".json"):
+            schedule = Schedule.from_json(text)
+        else:
+            schedule = Schedule.from_csv(text, name=name)
+    except ScheduleError as exc:
+        raise ScheduleError(f"schedule file {path}: {exc}") from None
+    if not schedule.num_stages or not schedule.num_microbatches:
+        raise ScheduleError(f"schedule file {path} holds no actions: write one row of compute "
+                            "actions per pipeline rank (e.g. 0F0,0F1,0B0,0B1)")
+    if schedule_layout(schedule) is None:
+        p = schedule.num_ranks
+        loop = list(loop_placement(p, max(1, schedule.num_stages // p)))
         raise ScheduleError(
-            f"unknown schedule {name!r}: choose one of {', '.join(REGISTRY)}.{hint}"
-        )
-    return REGISTRY[name]
+            f"schedule file {path} places its stages on ranks {list(schedule.stage_to_rank)} "
+            f"(stage s on rank stage_to_rank[s]), but a model can be built only for the loop "
+            f"layout (stage s on rank s mod p: {loop}) or the V layout (rank r holds stages r "
+            f"and 2p-1-r: {list(v_placement(p))}); renumber the stages to one of them")
+    try:
+        validate_schedule(schedule)
+    except ScheduleError as exc:
+        raise ScheduleError(f"schedule file {path} cannot run: {exc}") from None
+    return schedule
+
+
+def load_schedule_file(path: str, forward_only: bool = False) -> Schedule:
+    """Read, parse and validate a schedule file (see ``parse_schedule_file``)."""
+    return parse_schedule_file(read_schedule_file(path), path, forward_only)
 
 
 def build_schedule(name: str, num_ranks: int, num_microbatches: int, chunks: int | None = None,
                    validate: bool = True, **options) -> Schedule:
     """Build a registered schedule and validate it before anyone runs it."""
     spec = get_spec(name)
+    name = spec.name
     chunks = spec.default_chunks if chunks is None else chunks
     if not spec.allowed_chunks(chunks):
         rule = {"v": "exactly 2 (the V layout)", "loop": "1"}[spec.layout]
