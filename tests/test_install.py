@@ -167,3 +167,27 @@ def test_the_group_timeout_is_read_from_torch_and_gloo_is_never_aborted():
                          timeout=120, env=dict(os.environ, PORT=str(free_port())))
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["77.0", "33.0", "False"]
+
+
+def test_install_takes_names_in_any_case_and_pytorchs(clean_install):
+    assert install("ZB-H1").options.schedule == "zb-h1"
+    assert install("ZBVZeroBubble").options.schedule == "zb-v"
+    assert install("Auto").options.schedule == "auto"
+
+
+def test_install_takes_a_schedule_file_checked_before_anything_is_patched(clean_install,
+                                                                           tmp_path):
+    from megatron_pp_ext.schedules import build_schedule
+
+    path = tmp_path / "mine.csv"
+    path.write_text(build_schedule("zb-h1", 2, 4).to_csv())
+    installation = install(str(path))
+    schedule = installation.options.file_schedule()
+    assert installation.options.schedule == str(path) and schedule.name == "mine"
+    assert schedule.text() == build_schedule("zb-h1", 2, 4).text()
+    assert repr(installation.function) == f"ScheduleFunction({str(path)!r})"
+    uninstall()
+    path.write_text("0F0,0B0\n1B0,1F0\n")  # rank 1's backward before its forward: a deadlock
+    with pytest.raises(ValueError, match=r"mine.csv cannot run"):
+        install(str(path))
+    assert not installed()

@@ -38,7 +38,7 @@ from ..runtime.errors import PipelineTimeoutError
 from ..runtime.executor import Executor, StepResult
 from ..runtime.messages import Message, incoming_messages
 from ..runtime.transport import TorchDistTransport
-from ..schedules import build_schedule, get_spec
+from ..schedules import build_schedule, get_spec, schedule_layout
 from ..timeline import Timeline
 from . import agreement
 from .auto import AutoSchedule
@@ -142,6 +142,8 @@ def schedule_for(options: PipelineOptions, p: int, m: int, num_chunks: int, forw
             f"num_microbatches={m!r}: it must be an integer >= 1 (it is global_batch_size / "
             "(micro_batch_size x data_parallel_size)); raise the global batch size or lower "
             "micro_batch_size")
+    if options.is_file:
+        return file_schedule_for(options, p, m, num_chunks, forward_only)
     spec = get_spec(options.schedule)
     if options.chunks:
         v = options.chunks
@@ -179,6 +181,35 @@ def schedule_for(options: PipelineOptions, p: int, m: int, num_chunks: int, forw
                             tuple(sorted(builder_options.items())))
 
 
+def file_schedule_for(options: PipelineOptions, p: int, m: int, num_chunks: int,
+                      forward_only: bool) -> Schedule:
+    """A schedule file's schedule for this step (already validated and checked against NCCL's
+    rules when the options were made), once the step's sizes are those it was written for."""
+    schedule = options.file_schedule()
+    path, layout = options.schedule, schedule_layout(schedule)
+    if p != schedule.num_ranks:
+        raise ValueError(
+            f"the schedule file {path} has {schedule.num_ranks} rows (one per pipeline rank), "
+            f"but the pipeline has p={p} ranks: a schedule file runs only at the pipeline size "
+            f"it was written for; set the pipeline-model-parallel size to {schedule.num_ranks}, "
+            f"or write the schedule for p={p}")
+    if m != schedule.num_microbatches:
+        raise ValueError(
+            f"the schedule file {path} schedules m={schedule.num_microbatches} microbatches "
+            f"(0..{schedule.num_microbatches - 1}), but this step has num_microbatches={m}: "
+            f"choose the batch sizes so that global_batch_size / (micro_batch_size x "
+            f"data_parallel_size) = {schedule.num_microbatches}, or write the schedule for m={m}")
+    if num_chunks != schedule.chunks:
+        where = ("the V layout: rank r holds stages r and 2p-1-r" if layout == "v" else
+                 "the loop layout: chunk c of rank r is stage c*p + r")
+        raise ValueError(
+            f"the schedule file {path} places {schedule.chunks} stage(s) on each rank ({where}), "
+            f"but `model` holds {num_chunks} chunk(s) on this rank: build the model with "
+            f"{schedule.chunks} chunk(s) per rank in that layout and pass one data iterator "
+            "per chunk")
+    return options.file_schedule(forward_only) if forward_only else schedule
+
+
 class MicrobatchGroupError(ScheduleError, RuntimeError):
     """Megatron's interleaved schedule raises RuntimeError when the last microbatch group is
     shorter than p; code written for it (Megatron-LM's own test_schedules.py) catches that.
@@ -207,7 +238,7 @@ def check_chunk_placement(schedule: Schedule, rank: int, models) -> None:
                 continue  # not a Megatron model: nothing to check
             if built != expected:
                 layout = ("the V layout: rank r holds stages r and 2p-1-r, so rank 0's chunk 1 "
-                          "computes the loss" if get_spec(schedule.name).layout == "v" else
+                          "computes the loss" if schedule_layout(schedule) == "v" else
                           "Megatron's layout: chunk c of rank r is stage c*p + r")
                 raise ValueError(
                     f"schedule {schedule.name!r} runs stage {stage} on rank {rank}, chunk "

@@ -80,10 +80,14 @@ _current: Installation | None = None  # which installation Megatron's names poin
 
 def install(schedule: str | None = None, **options) -> Installation:
     """Run ``schedule`` (default: $MEGATRON_PP_SCHEDULE, else '1f1b') for every pipelined
-    step of Megatron-Core. Options: chunks, max_pending_backward,
-    microbatch_group_size_per_vp_stage, p2p_timeout_s, first_step_timeout_s, trace.
-    Installing again switches the active installation to the new options (a change starts
-    afresh) and returns it."""
+    step of Megatron-Core. ``schedule`` is a name (any case; PyTorch's names such as
+    'Interleaved1F1B' or 'ZBVZeroBubble' too), 'auto', or the path of a schedule file (.csv in
+    PyTorch's compute-only format, or .json): the file is read and checked here (validator,
+    loop or V layout, NCCL's rules), before anything is patched; each step then checks that
+    its pipeline size, microbatch count and model chunks are the file's. Options: chunks,
+    max_pending_backward, microbatch_group_size_per_vp_stage, p2p_timeout_s,
+    first_step_timeout_s, trace. Installing again switches the active installation to the
+    new options (a change starts afresh) and returns it."""
     global _current
     active = PipelineOptions.from_kwargs(schedule, **options)  # bad input: nothing patched
     if _current is not None:

@@ -1,7 +1,17 @@
-"""The plugin's settings, as ``install()`` takes them."""
+"""The plugin's settings, as ``install()`` takes them.
+
+``schedule`` is a schedule's name (any case, or PyTorch's name for it; stored as the registry's
+name), ``auto``, or the path of a schedule file (``.csv`` in PyTorch's compute-only format, or
+``.json``): the file is read when the options are made, and its schedule checked then, before
+anything is patched or sent: the validator, the layout (loop or V, from its stage-to-rank
+mapping), and NCCL's rules (``runtime.lowering.nccl_posting``). Its text travels with the
+options (``schedule_text``), so every process runs what was read.
+"""
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import os
 from dataclasses import asdict, dataclass, fields
 
@@ -25,12 +35,21 @@ class PipelineOptions:
     auto_measure_steps: int = 1
     auto_memory_budget_bytes: float | None = None
     auto_activation_bytes: float | None = None
+    #: a schedule file's text (``schedule`` is then its path); read from the file when None
+    schedule_text: str | None = None
 
     def __post_init__(self):
-        from ..schedules import get_spec
+        from ..schedules import canonical_name, is_schedule_file
 
-        if self.schedule != AUTO:
-            get_spec(self.schedule)  # unknown names fail here, with the closest suggested
+        if is_schedule_file(self.schedule):
+            self._check_schedule_file()
+        elif self.schedule_text is not None:
+            raise ValueError(f"schedule_text is the text of a schedule file: give the file's "
+                             f"path (.csv or .json) as the schedule, not {self.schedule!r}")
+        elif isinstance(self.schedule, str) and self.schedule.strip().lower() == AUTO:
+            object.__setattr__(self, "schedule", AUTO)
+        else:  # unknown names fail here, with the closest suggested
+            object.__setattr__(self, "schedule", canonical_name(self.schedule))
         for name in ("p2p_timeout_s", "first_step_timeout_s"):
             value = getattr(self, name)
             if value is not None and value <= 0:
@@ -41,6 +60,36 @@ class PipelineOptions:
             raise ValueError(f"auto_measure_steps={self.auto_measure_steps} must be >= 1")
         if self.max_pending_backward is not None and self.max_pending_backward < 1:
             raise ValueError(f"max_pending_backward={self.max_pending_backward} must be >= 1")
+
+    # ---- schedule files
+    @property
+    def is_file(self) -> bool:
+        return self.schedule_text is not None
+
+    def file_schedule(self, forward_only: bool = False):
+        """The schedule file's ``Schedule`` (None for a named schedule), validated and checked
+        against NCCL's rules; ``forward_only``: its forwards only (evaluation steps)."""
+        if self.schedule_text is None:
+            return None
+        return _checked_file_schedule(self.schedule_text, self.schedule, forward_only)
+
+    def _check_schedule_file(self) -> None:
+        from ..schedules import read_schedule_file
+
+        if self.schedule_text is None:
+            object.__setattr__(self, "schedule_text", read_schedule_file(self.schedule))
+        schedule = self.file_schedule()
+        builder_only = [name for name in ("max_pending_backward",
+                                          "microbatch_group_size_per_vp_stage")
+                        if getattr(self, name) is not None]
+        if builder_only:
+            raise ValueError(
+                f"{', '.join(builder_only)} shape a built schedule, but the schedule file "
+                f"{self.schedule} fixes every rank's order: drop {' and '.join(builder_only)}")
+        if self.chunks is not None and self.chunks != schedule.chunks:
+            raise ValueError(
+                f"chunks={self.chunks}, but the schedule file {self.schedule} places "
+                f"{schedule.chunks} stage(s) on each rank: drop chunks (the file decides)")
 
     def timeouts(self, group_timeout_s: float | None) -> tuple[float, float]:
         """(first step, later steps) timeouts of a wait on a peer, in seconds.
@@ -77,7 +126,13 @@ class PipelineOptions:
         return options
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The options as plain values; a schedule file's text as its SHA-256 (16 hex digits),
+        so ranks that read different files disagree without printing them."""
+        data = asdict(self)
+        text = data.pop("schedule_text")
+        if text is not None:
+            data["schedule_sha256"] = hashlib.sha256(text.encode()).hexdigest()[:16]
+        return data
 
     @staticmethod
     def from_kwargs(schedule: str | None = None, **kwargs) -> "PipelineOptions":
@@ -88,3 +143,23 @@ class PipelineOptions:
         schedule = schedule or os.environ.get(ENV_SCHEDULE) or "1f1b"
         return PipelineOptions(schedule=schedule, **{k: v for k, v in kwargs.items()
                                                      if v is not None})
+
+
+@functools.lru_cache(maxsize=32)
+def _checked_file_schedule(text: str, path: str, forward_only: bool):
+    """Parse and validate a schedule file (``schedules.parse_schedule_file``), then check that
+    the executor's P2P program for it passes NCCL's rules (``runtime.lowering.nccl_posting``:
+    Megatron's fused calls, else one batch per round); raises ``ScheduleError`` naming the
+    file otherwise. Cached per text: the same ``Schedule`` object each time."""
+    from ..ir import ScheduleError
+    from ..runtime.lowering import nccl_posting
+    from ..schedules import parse_schedule_file
+
+    schedule = parse_schedule_file(text, path, forward_only)
+    try:
+        nccl_posting(schedule)
+    except ScheduleError as exc:
+        raise ScheduleError(
+            f"schedule file {path} could hang on NCCL (no P2P program for it passes NCCL's "
+            f"rules): {exc}") from None
+    return schedule
