@@ -13,6 +13,16 @@ where you would use pretrain_gpt.py; every pretrain_gpt.py argument works, plus 
     --pipeline-schedule zb-v|dualpipev also needs --num-virtual-stages-per-pipeline-rank 2 and
                                        --untie-embeddings-and-output-weights; the script then
                                        builds the V layout from the same GPT config
+    --pipeline-schedule path/to/my.csv a schedule file (PyTorch's compute-only CSV, or .json):
+                                       checked (validator, NCCL's rules) before training; its
+                                       rows must be --pipeline-model-parallel-size and its
+                                       microbatches global batch / (micro batch x data parallel);
+                                       v stages per rank in the loop layout need
+                                       --num-virtual-stages-per-pipeline-rank v (v >= 2), in
+                                       the V layout as zb-v (V chunks built as for zb-v)
+
+Names are case-insensitive, and PyTorch's names for the same schedules work (Interleaved1F1B,
+ZBVZeroBubble, DualPipeV, ...).
 
 Instead of --pipeline-schedule you may set MEGATRON_PP_SCHEDULE=<name> in the environment (the
 flag wins). With neither, Megatron's own schedule runs, exactly as with pretrain_gpt.py.

@@ -230,3 +230,93 @@ def test_training_loop_gets_the_plugin_function(monkeypatch, schedule, extra, vp
 def test_auto_is_accepted_and_installs_the_auto_schedule():
     options = schedule_options_from_args(_args(pipeline_schedule="auto"))
     assert options == {"schedule": "auto", "p2p_timeout_s": None, "trace": False}
+
+
+# --- names in any case, PyTorch's names, and schedule files ----------------------------------
+
+
+def _csv(tmp_path, name, p, m, chunks=None):
+    from megatron_pp_ext.schedules import build_schedule
+
+    path = tmp_path / f"{name}_p{p}_m{m}.csv"
+    path.write_text(build_schedule(name, p, m, chunks).to_csv())
+    return str(path)
+
+
+def test_the_flag_takes_any_case_pytorchs_names_and_schedule_files(monkeypatch, tmp_path):
+    parser = _plain_parser(monkeypatch)
+    for given, want in (("ZB-H1", "zb-h1"), ("Interleaved1F1B", "interleaved"),
+                        ("ZBVZeroBubble", "zb-v"), ("DualPipeV", "dualpipev"), ("Auto", "auto")):
+        assert parser.parse_args(["--pipeline-schedule", given]).pipeline_schedule == want
+    path = _csv(tmp_path, "zb-h1", 4, 8)
+    assert parser.parse_args(["--pipeline-schedule", path]).pipeline_schedule == path
+
+
+@pytest.mark.parametrize("value, words", [
+    ("missing.csv", "cannot read schedule file missing.csv"),
+    ("ZBVZeroBuble", "Did you mean 'ZBVZeroBubble' (zb-v)?"),
+])
+def test_the_flag_refuses_bad_files_and_names_with_the_reason(monkeypatch, capsys, value, words):
+    with pytest.raises(SystemExit):
+        _plain_parser(monkeypatch).parse_args(["--pipeline-schedule", value])
+    assert words in capsys.readouterr().err
+
+
+def test_schedule_file_options_and_layout(tmp_path):
+    from megatron_pp_ext.integration.megatron_args import uses_v_layout
+
+    loop = _csv(tmp_path, "zb-h1", 4, 8)
+    opts = schedule_options_from_args(_args(pipeline_schedule=loop, pp_trace=True))
+    assert opts == dict(schedule=loop, chunks=None, p2p_timeout_s=None, trace=True)
+    assert not uses_v_layout(_args(pipeline_schedule=loop))
+    v = _csv(tmp_path, "zb-v", 4, 8)
+    assert schedule_options_from_args(_args(pipeline_schedule=v,
+                                            virtual_pipeline_model_parallel_size=2))
+    assert uses_v_layout(_args(pipeline_schedule=v))  # pretrain_gpt_pp.py builds V chunks
+    interleaved = _csv(tmp_path, "interleaved", 4, 8, 3)
+    assert schedule_options_from_args(_args(pipeline_schedule=interleaved,
+                                            virtual_pipeline_model_parallel_size=3))
+
+
+@pytest.mark.parametrize("schedule, overrides, words", [
+    ("zb-h1", dict(pipeline_model_parallel_size=2),
+     "has 4 rows (one per pipeline rank), but --pipeline-model-parallel-size is 2"),
+    ("zb-h1", dict(virtual_pipeline_model_parallel_size=2),
+     "places 1 stage(s) on each rank but Megatron builds 2 model chunk(s) per rank: remove"),
+    ("zb-v", {}, "add --num-virtual-stages-per-pipeline-rank 2 (the file's V layout"),
+    ("zb-v", dict(virtual_pipeline_model_parallel_size=2,
+                  untie_embeddings_and_output_weights=False),
+     "add --untie-embeddings-and-output-weights"),
+    ("zb-h1", dict(pp_max_pending_backward=2), "drop --pp-max-pending-backward"),
+    ("zb-h1", dict(pp_schedule_chunks=2), "--pp-schedule-chunks 2 does not fit"),
+    ("zb-h1", dict(global_batch_size=16, micro_batch_size=1, data_parallel_size=1),
+     "schedules m=8 microbatches, but --global-batch-size 16 / (--micro-batch-size 1 x "
+     "data-parallel size 1) is 16 microbatches per step: set --global-batch-size 8"),
+])
+def test_schedule_files_that_do_not_fit_megatrons_arguments(tmp_path, schedule, overrides, words):
+    path = _csv(tmp_path, schedule, 4, 8)
+    with pytest.raises(ValueError) as info:
+        schedule_options_from_args(_args(pipeline_schedule=path, **overrides))
+    assert words in str(info.value)
+
+
+def test_megatron_validated_schedule_file_installs(monkeypatch, tmp_path):
+    """Through Megatron's own parser and validate_args (pp=4, global batch 8 of micro batch 1:
+    m=8): the file's p and m fit, and the training loop's selector returns the plugin."""
+    import megatron.training.training as training
+
+    import megatron_pp_ext as plugin
+
+    path = _csv(tmp_path, "zb-h1", 4, 8)
+    args = _megatron_args(monkeypatch, ["--pipeline-schedule", path])
+    assert args.pipeline_schedule == path
+    try:
+        assert install_from_args(args) is True
+        fn = training.get_forward_backward_func(pp_size=4, vp_size=None)
+        assert fn.__module__.startswith("megatron_pp_ext") and fn.options.schedule == path
+    finally:
+        plugin.uninstall()
+    wrong_m = _csv(tmp_path, "zb-h1", 4, 4)
+    args = _megatron_args(monkeypatch, ["--pipeline-schedule", wrong_m])
+    with pytest.raises(ValueError, match="set --global-batch-size 4"):
+        install_from_args(args)

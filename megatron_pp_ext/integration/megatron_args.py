@@ -23,7 +23,14 @@ zb-v, dualpipev                    exactly 2 chunks (V layout):
                                    ``--num-virtual-stages-per-pipeline-rank 2``
 auto                               any of the above: measures the first step, then picks the
                                    fastest schedule that fits how Megatron chunked the model
+a schedule file (.csv / .json)     what its stage-to-rank mapping says: v stages per rank
+                                   in the loop layout (v = 1: no virtual-pipeline arguments;
+                                   v >= 2: ``--num-virtual-stages-per-pipeline-rank v``), or
+                                   the V layout (as zb-v); its p and m must be the run's
 =================================  ======================================================
+
+Names are case-insensitive, and PyTorch's names for the same schedules work too
+(``Interleaved1F1B``, ``ZBVZeroBubble``, ``DualPipeV``, ...: ``schedules.ALIASES``).
 
 Caveat for zb-v / dualpipev: Megatron-LM builds chunk c of rank r as stage c*p + r, with the
 embedding on (rank 0, chunk 0) and the loss on (rank p-1, chunk 1); its pipeline layouts insist
@@ -53,6 +60,31 @@ def schedule_choices() -> list[str]:
     return names if AUTO in names else [*names, AUTO]
 
 
+def _schedule_value(text: str) -> str:
+    """``--pipeline-schedule``'s type: a schedule's name (returned as the registry's name), auto,
+    or a schedule file (read and validated here; returned as given)."""
+    try:
+        return resolve_schedule_value(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(" ".join(str(exc).split())) from None
+
+
+_schedule_value.__name__ = "schedule"
+
+
+def resolve_schedule_value(value: str) -> str:
+    """The registry's name for ``value`` (any case, or PyTorch's name), ``auto``, or, for a
+    schedule file (.csv, .json), its path once it reads and validates. ValueError otherwise."""
+    from ..schedules import canonical_name, is_schedule_file, load_schedule_file
+
+    if is_schedule_file(value):
+        load_schedule_file(value)  # unreadable or invalid: ScheduleError, naming the file
+        return value
+    if isinstance(value, str) and value.strip().lower() == AUTO:
+        return AUTO
+    return canonical_name(value)
+
+
 def _positive(kind):
     def parse(text: str):
         try:
@@ -74,8 +106,12 @@ def add_pipeline_schedule_args(parser: argparse.ArgumentParser) -> argparse.Argu
     """
     group = parser.add_argument_group(title=GROUP_TITLE)
     group.add_argument(
-        "--pipeline-schedule", choices=schedule_choices(), default=os.environ.get(ENV_SCHEDULE),
-        help="Replace Megatron's forward_backward_func with this megatron-pp-ext schedule. "
+        "--pipeline-schedule", type=_schedule_value, default=os.environ.get(ENV_SCHEDULE),
+        metavar="NAME_OR_FILE",
+        help="Replace Megatron's forward_backward_func with this megatron-pp-ext schedule: "
+        f"one of {', '.join(schedule_choices())} (any case, or PyTorch's name for it), or a "
+        "schedule file (.csv in PyTorch's compute-only format, or .json) written for this "
+        "pipeline size and microbatch count. "
         f"Default: ${ENV_SCHEDULE} if set, else none (Megatron's own schedule, untouched).",
     )
     group.add_argument(
@@ -120,13 +156,14 @@ def schedule_options_from_args(args: Any) -> dict | None:
     name = getattr(args, "pipeline_schedule", None)
     if not name:
         return None
-    choices = schedule_choices()
-    if name not in choices:  # e.g. a typo in $MEGATRON_PP_SCHEDULE, which argparse never checks
-        raise ValueError(
-            f"--pipeline-schedule / ${ENV_SCHEDULE}={name!r} is not a schedule: "
-            f"choose one of {', '.join(choices)}"
-        )
-    from ..schedules import REGISTRY
+    try:  # e.g. a typo in $MEGATRON_PP_SCHEDULE set after the arguments were parsed
+        name = resolve_schedule_value(name)
+    except ValueError as exc:
+        raise ValueError(f"--pipeline-schedule / ${ENV_SCHEDULE}={name!r}: {exc}") from None
+    from ..schedules import REGISTRY, is_schedule_file
+
+    if is_schedule_file(name):
+        return _file_options_from_args(name, args)
 
     if name == AUTO:  # the candidates follow from how Megatron chunks the model
         return dict(schedule=AUTO, p2p_timeout_s=getattr(args, "pp_p2p_timeout_s", None),
@@ -187,6 +224,65 @@ def schedule_options_from_args(args: Any) -> dict | None:
     )
 
 
+def _file_options_from_args(path: str, args: Any) -> dict:
+    """``install()``'s keyword arguments for ``--pipeline-schedule FILE``, once the file's
+    pipeline size, microbatch count, chunks and layout agree with Megatron's arguments."""
+    from ..schedules import schedule_layout
+    from .options import PipelineOptions
+
+    schedule = PipelineOptions(schedule=path).file_schedule()  # validated, NCCL's rules too
+    p, m, v = schedule.num_ranks, schedule.num_microbatches, schedule.chunks
+    layout = schedule_layout(schedule)
+    pp = getattr(args, "pipeline_model_parallel_size", 1) or 1
+    if pp != p:
+        raise ValueError(
+            f"--pipeline-schedule {path} has {p} rows (one per pipeline rank), but "
+            f"--pipeline-model-parallel-size is {pp}: set --pipeline-model-parallel-size {p}, "
+            f"or write the schedule for p={pp}")
+    if getattr(args, "pp_max_pending_backward", None) is not None:
+        raise ValueError(
+            f"--pp-max-pending-backward shapes a built schedule, but --pipeline-schedule {path} "
+            "fixes every rank's order: drop --pp-max-pending-backward")
+    asked = getattr(args, "pp_schedule_chunks", None)
+    if asked is not None and asked != v:
+        raise ValueError(
+            f"--pp-schedule-chunks {asked} does not fit --pipeline-schedule {path}, which places "
+            f"{v} stage(s) on each rank: drop --pp-schedule-chunks")
+    if layout == "v" and getattr(args, "untie_embeddings_and_output_weights", True) is False:
+        raise ValueError(
+            f"--pipeline-schedule {path} is in the V layout: it puts the embedding and the "
+            "output layer on rank 0, but tied embeddings are synchronized between the first "
+            "and the last pipeline rank: add --untie-embeddings-and-output-weights")
+    built = _model_chunks(args)
+    if built != v:
+        if layout == "v":
+            how = ("add --num-virtual-stages-per-pipeline-rank 2 (the file's V layout puts "
+                   "stages r and 2p-1-r on rank r)")
+        elif v == 1:
+            how = f"remove {_VP_FLAGS}"
+        else:
+            how = (f"set --num-virtual-stages-per-pipeline-rank {v} (the file's loop layout puts "
+                   f"stage c*p + r in chunk c of rank r)")
+        raise ValueError(
+            f"--pipeline-schedule {path} places {v} stage(s) on each rank but Megatron builds "
+            f"{built} model chunk(s) per rank: {how}")
+    batch = [getattr(args, name, None) for name in
+             ("global_batch_size", "micro_batch_size", "data_parallel_size")]
+    if all(isinstance(x, int) and x > 0 for x in batch) and not getattr(
+            args, "rampup_batch_size", None):
+        global_batch, micro_batch, dp = batch
+        steps_m = global_batch // (micro_batch * dp)
+        if steps_m != m:
+            raise ValueError(
+                f"--pipeline-schedule {path} schedules m={m} microbatches, but "
+                f"--global-batch-size {global_batch} / (--micro-batch-size {micro_batch} x "
+                f"data-parallel size {dp}) is {steps_m} microbatches per step: set "
+                f"--global-batch-size {m * micro_batch * dp}, or write the schedule for "
+                f"m={steps_m}")
+    return dict(schedule=path, chunks=asked, p2p_timeout_s=getattr(args, "pp_p2p_timeout_s", None),
+                trace=bool(getattr(args, "pp_trace", False)))
+
+
 def install_from_args(args: Any) -> bool:
     """Install the schedule named by ``args.pipeline_schedule``; return whether it installed.
 
@@ -223,12 +319,23 @@ def chain_args_providers(*providers):
 def uses_v_layout(args: Any) -> bool:
     """Whether ``--pipeline-schedule`` asks for a V-layout schedule (zb-v, dualpipev)."""
     name = getattr(args, "pipeline_schedule", None)
-    if not name or name == AUTO:
+    if not name:
         return False
-    from ..schedules import REGISTRY
+    from ..schedules import (
+        REGISTRY,
+        canonical_name,
+        is_schedule_file,
+        load_schedule_file,
+        schedule_layout,
+    )
 
-    spec = REGISTRY.get(name)
-    return spec is not None and spec.layout == "v"
+    if is_schedule_file(name):
+        return schedule_layout(load_schedule_file(name)) == "v"
+    try:
+        spec = REGISTRY[canonical_name(name)]
+    except ValueError:  # auto, or not a schedule (install_from_args says so)
+        return False
+    return spec.layout == "v"
 
 
 def v_chunk_stage(pp_rank: int, pp_size: int, vp_stage: int) -> int:
