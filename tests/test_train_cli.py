@@ -14,22 +14,26 @@ from pathlib import Path
 
 import pytest
 
+from megatron_pp_ext.schedules import build_schedule
 from megatron_pp_ext.train.launcher import detect, slurm_master_port
 from megatron_pp_ext.train.progress import Progress, format_step
 from megatron_pp_ext.train.settings import TrainSettings
 
 REPO = Path(__file__).resolve().parents[1]
+PEER_CSV = REPO / "tests" / "data" / "torch_zb1p_2rank_2stagep_compute.csv"  # p=2, m=8, v=2
+LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_STEP_ID",
+                "PYTHONWARNINGS")
 
 
 def _train(*args: str, timeout: float = 150) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_STEP_ID")}
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
     return subprocess.run([sys.executable, "-m", "megatron_pp_ext", "train", *args], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def _check_run(out: Path, proc, schedule: str, chunks: int, steps: int) -> dict:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    _assert_no_megatron_warnings(proc)
     summary = json.loads((out / "summary.json").read_text())
     assert (summary["schedule"], summary["pp"], summary["chunks"]) == (schedule, 2, chunks)
     losses = summary["losses"]
@@ -53,13 +57,33 @@ def _check_run(out: Path, proc, schedule: str, chunks: int, steps: int) -> dict:
     return summary
 
 
+def _assert_no_megatron_warnings(proc) -> None:
+    """Megatron-Core's warnings (apex / Transformer Engine missing, deprecations: Python
+    warnings and its logger) never reach train's output."""
+    text = proc.stdout + proc.stderr
+    for words in ("UserWarning", "FutureWarning", "warnings.warn", "site-packages/megatron/",
+                  "Apex is not installed", "deprecated"):
+        assert words not in text, (words, text[-3000:])
+
+
 def test_train_1f1b_and_zb_v(tmp_path):
-    """Two real runs (about 15 s each, mostly importing Megatron in the ranks)."""
+    """Real runs (about 15 s each, mostly importing Megatron in the ranks)."""
     out = tmp_path / "1f1b"
     proc = _train("--schedule", "1f1b", "--pp", "2", "--microbatches", "4", "--steps", "3",
                   "--out", str(out))
     summary = _check_run(out, proc, "1f1b", 1, 3)
     assert summary["peak_activations"] == [2, 1]  # 1F1B: p - r
+    assert "hint:" not in proc.stderr  # p <= m
+
+    # a schedule file: zb-v exported with the IR's writer; -p, -m and the V layout from it
+    csv = tmp_path / "my_zbv.csv"
+    csv.write_text(build_schedule("zb-v", 2, 4).to_csv())
+    out = tmp_path / "csv"
+    proc = _train("--schedule", str(csv), "--steps", "3", "--out", str(out))
+    from_file = _check_run(out, proc, str(csv), 2, 3)
+    assert (from_file["microbatches"], from_file["layout"]) == (4, "v")
+    assert "with " + str(csv) in proc.stdout and "schedule my_zbv, p=2" in proc.stdout
+    assert from_file["losses"] == pytest.approx(summary["losses"], rel=1e-4)
 
     out = tmp_path / "zb-v"
     proc = _train("--schedule", "zb-v", "--pp", "2", "--microbatches", "4", "--steps", "3",
@@ -82,8 +106,18 @@ def test_train_1f1b_and_zb_v(tmp_path):
 @pytest.mark.parametrize("args, words", [
     (["--schedule", "1f1bb"], "unknown schedule '1f1bb'"),
     (["--schedule", "auto", "--chunks", "3"], "--schedule auto takes --chunks 1"),
-    (["--pp", "0"], "--pp 0 must be"),
+    (["--pp", "0"], "-p/--ranks 0 must be"),
+    (["-p", "0"], "-p/--ranks 0 must be"),
+    (["--ranks", "2", "-m", "0"], "-m/--microbatches 0 must be"),
     (["--schedule", "interleaved", "--pp", "4", "--microbatches", "3"], "interleaved"),
+    (["--schedule", "InterleavedZeroBubble"], "has no equivalent here"),
+    (["--csv", str(PEER_CSV), "-p", "4"],
+     "-p/--ranks 4 does not fit the schedule file"),
+    (["--csv", str(PEER_CSV), "-m", "4"], "written for 8 microbatches: use -m 8"),
+    (["--csv", str(PEER_CSV), "--chunks", "1"], "places 2 stage(s) on each rank"),
+    (["--csv", "no/such/file.csv"], "cannot read schedule file no/such/file.csv"),
+    (["--csv", "schedule.txt"], "a schedule file ends in .csv"),
+    (["--schedule", "1f1b", "--csv", str(PEER_CSV)], "give either --schedule 1f1b or --csv"),
     (["--schedule", "zb-v", "--chunks", "3"], "--chunks 3"),
     (["--pp", "3", "--layers", "8"], "--layers 8 must be a multiple of pp*v = 3*1"),
 ])
@@ -95,7 +129,133 @@ def test_bad_input_exits_2_with_one_line_before_spawning(args, words):
     assert proc.stdout == ""  # nothing started: no process spawned, no step printed
 
 
+def test_the_p_over_m_hint_is_one_line_before_the_run(tmp_path):
+    """p > m is allowed (every schedule runs it) but rarely meant: one hint line on stderr,
+    and the run goes on."""
+    out = tmp_path / "run"
+    proc = _train("-p", "2", "-m", "1", "--steps", "1", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    hints = [line for line in proc.stderr.splitlines() if line.startswith("hint:")]
+    assert hints == ["hint: p=2 > m=1: most ranks idle most of the step; use m >= p "
+                     "(Megatron needs m >= p for interleaved)"], proc.stderr
+    assert json.loads((out / "summary.json").read_text())["microbatches"] == 1
+
+
+def _launched_env(extra: dict) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
+    env.update(OMP_NUM_THREADS="1", **extra)
+    return env
+
+
+def _run_under(launcher: str, out: Path, *args: str) -> subprocess.CompletedProcess:
+    """``train`` as torchrun (``--standalone``: a free port) or a two-task srun step (the
+    variables srun sets, as two processes) starts it: each process is one rank."""
+    command = ["-m", "megatron_pp_ext", "train", *args, "--out", str(out)]
+    if launcher == "torchrun":
+        return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                               "--nproc-per-node", "2", *command], cwd=REPO,
+                              env=_launched_env({}), capture_output=True, text=True, timeout=240)
+    from megatron_pp_ext.train.processes import free_port
+
+    port = str(free_port())
+    procs = [subprocess.Popen(
+        [sys.executable, *command], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, env=_launched_env(dict(
+            SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_NTASKS="2",
+            SLURM_STEP_NUM_TASKS="2", SLURM_STEP_ID="0", SLURM_JOB_ID="1", SLURM_NNODES="1",
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=port))) for rank in range(2)]
+    outputs = [proc.communicate(timeout=240) for proc in procs]
+    return subprocess.CompletedProcess(
+        procs[0].args, max(proc.returncode for proc in procs),
+        "".join(o for o, _ in outputs), "".join(e for _, e in outputs))
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "srun"])
+def test_megatron_warnings_stay_out_of_the_output_under_every_launcher(tmp_path, launcher):
+    """Under torchrun and srun each rank is a process that imports Megatron itself (the local
+    launcher's ranks are covered by test_train_1f1b_and_zb_v): its warnings, which do fire
+    on this machine (test_megatron_warnings_fire_and_are_hidden), stay out of the output;
+    the run's lines and the p > m hint (once, from rank 0) are there."""
+    out = tmp_path / launcher
+    proc = _run_under(launcher, out, "-p", "2", "-m", "1", "--steps", "1")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    _assert_no_megatron_warnings(proc)
+    assert f"gloo via {launcher}" in proc.stdout and "step 1/1" in proc.stdout
+    assert proc.stderr.count("hint: p=2 > m=1") == 1
+    assert json.loads((out / "summary.json").read_text())["launcher"] == launcher
+
+
+_WARN_AND_LOG = (
+    "import sys\n"
+    "from megatron_pp_ext.train.quiet import hide_megatron_warnings\n"
+    "if sys.argv[1] == 'hide':\n"
+    "    assert hide_megatron_warnings()\n"
+    "import megatron.core.optimizer\n"  # warns: Transformer Engine and Apex are not installed
+    "from megatron.core import num_microbatches_calculator as calc\n"
+    "calc.init_num_microbatches_calculator(0, [4, 4, 100], 16, 1, 1)\n"  # logs: deprecated
+    "import warnings\n"
+    "from megatron_pp_ext.runtime import wgrad\n"
+    "warnings.warn_explicit('the plugin still speaks', UserWarning, 'wgrad.py', 1,\n"
+    "                      module=wgrad.__name__)\n"
+)
+
+
+def test_megatron_warnings_fire_and_are_hidden():
+    """On this machine importing Megatron-Core warns (Python warnings) and Megatron's logger
+    warns at WARNING (a rampup_batch_size deprecation): without the hiding both reach stderr;
+    with it neither does, while a warning from the plugin's own modules still shows, and a
+    PYTHONWARNINGS of the user's own turns the hiding off."""
+    def run(mode, **env):
+        environ = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
+        environ.update(env)
+        return subprocess.run([sys.executable, "-c", _WARN_AND_LOG, mode], cwd=REPO,
+                              env=environ, capture_output=True, text=True, timeout=120)
+
+    shown = run("show")
+    assert shown.returncode == 0, shown.stderr[-3000:]
+    assert "UserWarning: Transformer Engine and Apex are not installed" in shown.stderr
+    assert "rampup_batch_size is deprecated" in shown.stderr
+    hidden = run("hide")
+    assert hidden.returncode == 0, hidden.stderr[-3000:]
+    assert "Apex" not in hidden.stderr and "rampup_batch_size" not in hidden.stderr
+    assert "the plugin still speaks" in hidden.stderr
+    user = subprocess.run([sys.executable, "-c", "from megatron_pp_ext.train.quiet import "
+                           "hide_megatron_warnings as h; print(h())"], cwd=REPO,
+                          env=dict(os.environ, PYTHONWARNINGS="default"), capture_output=True,
+                          text=True, timeout=60)
+    assert user.stdout.strip() == "False"
+
+
 # ---------------------------------------------------------------- pure parts
+
+
+def test_names_in_any_case_and_schedule_files_in_the_settings():
+    assert TrainSettings(schedule="ZB-V").schedule == "zb-v"
+    assert TrainSettings(schedule="Interleaved1F1B").schedule == "interleaved"
+    assert TrainSettings(schedule="AUTO").schedule == "auto"
+    peer = TrainSettings(schedule=str(PEER_CSV), pp=2, microbatches=8)
+    peer.check()
+    assert (peer.is_file, peer.v, peer.layout, peer.num_layers) == (True, 2, "loop", 8)
+    assert peer.first_step_schedule().text() == peer.file_schedule().text()
+
+
+def test_the_command_line_takes_the_files_sizes_and_the_same_flags_as_every_command():
+    from megatron_pp_ext.cli import build_parser
+    from megatron_pp_ext.commands.train import settings_from
+
+    parser = build_parser()
+    settings = settings_from(parser.parse_args(["train", "--csv", str(PEER_CSV)]))
+    assert (settings.schedule, settings.pp, settings.microbatches) == (str(PEER_CSV), 2, 8)
+    for flags in (["-p", "3", "-m", "6", "-v", "1"], ["--ranks", "3", "--microbatches", "6",
+                                                      "--chunks", "1"],
+                  ["--pp", "3", "-m", "6"]):
+        settings = settings_from(parser.parse_args(["train", *flags]))
+        assert (settings.pp, settings.microbatches, settings.v) == (3, 6, 1)
+    for command in ("simulate", "select", "train"):  # -p/--ranks/--pp and -m everywhere
+        options = {s for a in parser._subparsers._group_actions[0].choices[command]._actions
+                   for s in a.option_strings}
+        assert {"-p", "--ranks", "--pp", "-m", "--microbatches"} <= options, command
+
 
 
 def test_default_layers_fit_every_schedule():

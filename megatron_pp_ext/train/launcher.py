@@ -11,7 +11,8 @@
   ``MASTER_PORT`` from the environment, else derived from the job id.
 
 Under a launcher the backend is NCCL where the process sees a GPU, else gloo with the CPU shims.
-A launcher that starts a single process counts as none (e.g. ``srun --ntasks=1``).
+A launcher that starts a single process counts as none (e.g. ``srun --ntasks=1``). Under every
+launcher Megatron-Core's warnings stay out of the output (``train.quiet``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import sys
 from dataclasses import dataclass
 from typing import Mapping
 
+from .quiet import hide_megatron_warnings
 from .settings import TrainSettings
 
 
@@ -73,6 +75,9 @@ def slurm_master_port(env: Mapping[str, str]) -> str:
 
 def run(settings: TrainSettings) -> int:
     """Train under whatever launched us; returns the exit status."""
+    # Before anything imports Megatron: here (torchrun / srun: this process is a rank) and in
+    # the processes started from here (the local launcher's forkserver imports Megatron).
+    hide_megatron_warnings()
     launch = detect()
     if launch.kind == "local":
         return _run_local(settings)
@@ -89,9 +94,6 @@ def _run_local(settings: TrainSettings) -> int:
     from .processes import SpawnError, spawn
     from .loop import train_rank
 
-    # Megatron-Core warns, in every process, that apex and Transformer Engine are missing
-    # (expected on a CPU); the ranks inherit this. PYTHONWARNINGS=default shows them again.
-    os.environ.setdefault("PYTHONWARNINGS", "ignore::UserWarning,ignore::FutureWarning")
     print(f"starting {settings.pp} gloo processes on this machine's CPUs (each imports torch "
           "and Megatron-Core first: a few seconds)", flush=True)
     for attempt in range(3):

@@ -26,10 +26,10 @@ import torch.distributed as dist
 
 from .. import device as device_helper
 from ..integration.plan import plan_text
-from ..schedules import build_schedule
 from .data import counting_batches
 from .measure import StepMeasurement, costs_per_rank, gather_step, unit_cost_bubble
 from .progress import Progress, format_step
+from .quiet import hide_megatron_warnings
 from .report import write_outputs
 from .settings import TrainSettings
 
@@ -46,6 +46,7 @@ def train_rank(rank: int, world_size: int, settings: TrainSettings, launcher: st
 
     # Megatron-Core 0.19.2 logs that GPTModel is deprecated in favour of HybridModel: known.
     logging.getLogger("megatron.core.models.gpt.gpt_model").setLevel(logging.ERROR)
+    hide_megatron_warnings()  # in this rank too (its logger; a no-op if the user asked to see)
     device = device or torch.device("cpu")
     backend = device_helper.backend_of()
     talk = rank == 0
@@ -69,8 +70,7 @@ def train_rank(rank: int, world_size: int, settings: TrainSettings, launcher: st
             f"{cfg.seq_length} tokens, {settings.steps} steps, {backend} via {launcher} "
             f"(ready in {time.perf_counter() - started:.1f} s)")
         if settings.pp > 1:  # what the plugin logs at INFO before the first step
-            schedule = build_schedule(settings.first_schedule, settings.pp,
-                                      settings.microbatches, settings.v)
+            schedule = settings.first_step_schedule()
             progress.message(plan_text(schedule, (cfg.seq_length, cfg.micro_batch_size,
                                                   cfg.hidden_size), torch.float32))
         progress.start()

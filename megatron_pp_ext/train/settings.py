@@ -1,7 +1,8 @@
 """What a training run is asked to do, and the checks that run before any process starts.
 
 No torch and no Megatron here: a bad command line fails in a fraction of a second, with one
-line that names the value and the fix.
+line that names the value and the fix. (A schedule file is also checked against NCCL's rules,
+which loads torch: a second more, for that case only.)
 """
 
 from __future__ import annotations
@@ -9,13 +10,23 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from ..integration.options import AUTO
-from ..ir import ScheduleError
-from ..schedules import build_schedule, get_spec
+from ..ir import Schedule, ScheduleError
+from ..schedules import (
+    build_schedule,
+    canonical_name,
+    get_spec,
+    is_schedule_file,
+    load_schedule_file,
+    schedule_layout,
+)
+
+# the command-line flags the settings' fields come from, as errors name them
+_FLAGS = {"pp": "-p/--ranks", "microbatches": "-m/--microbatches"}
 
 
 @dataclass(frozen=True)
 class TrainSettings:
-    schedule: str = "1f1b"
+    schedule: str = "1f1b"  # a name (any case, PyTorch's too), auto, or a .csv / .json file
     pp: int = 4  # pipeline ranks
     microbatches: int = 8  # per step
     chunks: int | None = None  # model chunks per rank; None: the schedule's own (interleaved 2)
@@ -33,7 +44,33 @@ class TrainSettings:
     p2p_timeout_s: float = 120.0  # the plugin's wait on any peer
     timeout_s: float | None = None  # the whole run (local launch); None: from the size
 
+    def __post_init__(self):
+        # names in any case, or PyTorch's, as the registry's (unknown ones: check() says so)
+        if isinstance(self.schedule, str) and not is_schedule_file(self.schedule):
+            if self.schedule.strip().lower() == AUTO:
+                object.__setattr__(self, "schedule", AUTO)
+            else:
+                try:
+                    object.__setattr__(self, "schedule", canonical_name(self.schedule))
+                except ScheduleError:
+                    pass
+
     # ---- derived
+    @property
+    def is_file(self) -> bool:
+        """Whether the schedule is a file (``--csv``, or ``--schedule FILE.csv``)."""
+        return is_schedule_file(self.schedule)
+
+    def file_schedule(self) -> Schedule | None:
+        """The schedule file's schedule (validated), else None."""
+        return load_schedule_file(self.schedule) if self.is_file else None
+
+    def first_step_schedule(self) -> Schedule:
+        """The schedule the first step runs: the file's, or the built one."""
+        if self.is_file:
+            return self.file_schedule()
+        return build_schedule(self.first_schedule, self.pp, self.microbatches, self.v)
+
     @property
     def first_schedule(self) -> str:
         """The schedule of the first step: ``auto`` measures with 1f1b (one chunk per rank)
@@ -45,12 +82,17 @@ class TrainSettings:
     @property
     def v(self) -> int:
         """Model chunks per rank."""
+        if self.is_file:
+            return self.file_schedule().chunks
         spec = get_spec(self.first_schedule)
         return spec.default_chunks if self.chunks is None else self.chunks
 
     @property
     def layout(self) -> str:
-        """``"v"`` for zb-v / dualpipev (rank r holds stages r and 2p-1-r), else ``"loop"``."""
+        """``"v"`` for zb-v / dualpipev (rank r holds stages r and 2p-1-r), else ``"loop"``; a
+        schedule file's from its stage-to-rank mapping."""
+        if self.is_file:
+            return schedule_layout(self.file_schedule())
         return get_spec(self.first_schedule).layout
 
     @property
@@ -79,15 +121,18 @@ class TrainSettings:
     # ---- checks
     def check(self) -> None:
         """Raise ``ValueError`` (one sentence, with the fix) for anything that cannot run."""
-        if self.schedule == AUTO and self.chunks not in (None, 1, 2):
+        if self.is_file:
+            self._check_file()
+        elif self.schedule == AUTO and self.chunks not in (None, 1, 2):
             raise ValueError(f"--schedule auto takes --chunks 1 (gpipe, 1f1b, zb-h1, zb-h2) or 2 "
                              f"(the V layout: zb-v, dualpipev), not {self.chunks}")
-        spec = get_spec(self.first_schedule)  # unknown names: ScheduleError, closest named
+        spec = None if self.is_file else get_spec(self.first_schedule)  # unknown: closest named
         for name in ("pp", "microbatches", "steps", "hidden", "heads", "seq_length",
                      "micro_batch_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
-                raise ValueError(f"--{name.replace('_', '-')} {value} must be an integer >= 1")
+                flag = _FLAGS.get(name, f"--{name.replace('_', '-')}")
+                raise ValueError(f"{flag} {value} must be an integer >= 1")
         if self.vocab < 2:
             raise ValueError(f"--vocab {self.vocab} must be >= 2")
         if self.lr <= 0:
@@ -96,15 +141,15 @@ class TrainSettings:
             raise ValueError("timeouts must be > 0 seconds")
         if self.chunks is not None and self.chunks < 1:
             raise ValueError(f"--chunks {self.chunks} must be >= 1")
-        if not spec.allowed_chunks(self.v):
+        if spec is not None and not spec.allowed_chunks(self.v):
             rule = {"v": "2 (the V layout)", "loop": "1"}[spec.layout]
             if spec.name == "interleaved":
                 rule = ">= 2"
             raise ValueError(f"--chunks {self.v} does not fit {self.schedule}: it needs {rule}")
         if self.pp == 1 and self.v > 1:
             raise ValueError(
-                f"{self.schedule} needs --pp >= 2 (at pp=1 Megatron runs its own no-pipelining "
-                "loop, which takes one model chunk); use --pp 2 or --schedule 1f1b"
+                f"{self.schedule} needs -p 2 or more (at p=1 Megatron runs its own "
+                "no-pipelining loop, which takes one model chunk); use -p 2 or --schedule 1f1b"
             )
         if self.num_layers % (self.pp * self.v):
             raise ValueError(
@@ -113,15 +158,38 @@ class TrainSettings:
             )
         if self.hidden % self.heads:
             raise ValueError(f"--hidden {self.hidden} must be a multiple of --heads {self.heads}")
+        if self.is_file:
+            return
         try:  # the builder's own constraints (e.g. interleaved: p <= m, m mod p), validated
             build_schedule(self.first_schedule, self.pp, self.microbatches, self.v)
         except ScheduleError as exc:
             raise ValueError(" ".join(str(exc).split())) from None
 
+    def _check_file(self) -> None:
+        """A schedule file: validated, its NCCL program checked, and written for the run's
+        p, m and chunks."""
+        from ..integration.options import PipelineOptions
+
+        schedule = PipelineOptions(schedule=self.schedule).file_schedule()  # + NCCL's rules
+        for name, want, what in (("pp", schedule.num_ranks, "pipeline ranks (one row per rank)"),
+                                 ("microbatches", schedule.num_microbatches, "microbatches")):
+            value = getattr(self, name)
+            if value != want:
+                flag = _FLAGS[name].split("/")[0]
+                raise ValueError(
+                    f"{_FLAGS[name]} {value} does not fit the schedule file {self.schedule}, "
+                    f"written for {want} {what}: use {flag} {want} (or leave {flag} out), or "
+                    f"write the schedule for {value}")
+        if self.chunks is not None and self.chunks != schedule.chunks:
+            raise ValueError(
+                f"--chunks {self.chunks} does not fit the schedule file {self.schedule}, which "
+                f"places {schedule.chunks} stage(s) on each rank ({self.layout} layout): leave "
+                "--chunks out")
+
     def check_world(self, world_size: int) -> None:
         """Under torchrun / srun: the world must be a whole number of pipelines."""
         if world_size % self.pp:
             raise ValueError(
-                f"the launcher started {world_size} processes, not a multiple of --pp {self.pp}; "
+                f"the launcher started {world_size} processes, not a multiple of -p {self.pp}; "
                 f"start {self.pp} (or k*{self.pp} for k data-parallel replicas)"
             )
