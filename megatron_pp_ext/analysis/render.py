@@ -482,9 +482,11 @@ def _axis(extent: float, px_per_unit: float, longest: float, unit: str, y: int) 
 def _summary_table(timeline: Timeline, has_p2p: bool = False) -> str:
     factor, unit = display_unit(timeline.unit)
     p2p_head = f"<th>p2p in flight ({unit})</th>" if has_p2p else ""
+    peak_head = ("peak activations" if timeline.chunks <= 1 else
+                 f"peak activations (chunks of 1/{timeline.chunks} of a rank's layers)")
     rows = [
         f"<tr><th>rank</th><th>busy ({unit})</th><th>comm wait ({unit})</th>"
-        f"<th>idle ({unit})</th>{p2p_head}<th>peak activations</th></tr>"
+        f"<th>idle ({unit})</th>{p2p_head}<th>{html.escape(peak_head)}</th></tr>"
     ]
     in_flight = [0.0] * timeline.num_ranks
     if has_p2p:
