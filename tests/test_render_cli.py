@@ -165,7 +165,7 @@ def test_html_legend_names_every_colour_and_p2p_rows():
     assert "idle: nothing runs" in legend and "P2P batch in flight" in legend
     assert ">rank 0 p2p</text>" in page and ">rank 1 p2p</text>" in page
     # rank 1's P2P row lies under its compute lane: rank 1 starts at 22 + 4 + 7 + 4 = 37 px
-    assert ('<rect class="p2p" x="84.00" y="63" width="244.44" height="7"><title>#0 recv_forward '
+    assert ('<rect class="a p2p" x="84.00" y="63" width="244.44" height="7"><title>#0 recv_forward '
             "(rank 1): 0 to 2 t (2 t)</title></rect>") in page
     assert "<th>p2p in flight (t)</th>" in page
 

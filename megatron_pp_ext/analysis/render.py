@@ -346,7 +346,7 @@ def _event_rects(timeline: Timeline, scale: float, factor: float, unit: str, row
         )
         if key == "p2p":
             y = e.rank * row + _LANE + _GAP
-            out.append(f'<rect class="p2p" x="{x:.2f}" y="{y}" width="{w:.2f}" '
+            out.append(f'<rect class="a p2p" x="{x:.2f}" y="{y}" width="{w:.2f}" '
                        f'height="{_P2P_ROW}"><title>{tip}</title></rect>')
             continue
         y = e.rank * row
