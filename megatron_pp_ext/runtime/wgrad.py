@@ -198,6 +198,9 @@ class LinearWeightGrad:
         with torch.no_grad():  # as inside autograd's backward, where Megatron does this
             total_input = self.input
             if self.sp_group is not None:
+                # A collective on the TP group: every rank of the group runs the same action
+                # list, and its I's queued the same tasks in the same order, so the W's of
+                # all of them gather the same inputs in the same order.
                 total_input = split.gather_sequence(self.input, self.sp_group)
             grad_output, total_input = prepare_input_tensors_for_wgrad_compute(
                 self.grad_output, total_input)
@@ -212,9 +215,6 @@ class LinearWeightGrad:
         else:
             _deliver(self.weight, grad_weight)
 
-
-# kept for callers of the earlier name
-WeightGradTask = LinearWeightGrad
 
 
 def _linear_function():
