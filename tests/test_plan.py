@@ -131,6 +131,20 @@ def test_a_bad_combination_names_the_values_and_the_fix():
         plan_pretrain(PRETRAIN_ARGS + ["--no-such-flag"], schedule="zb-v", world_size=GPUS)
 
 
+def test_a_schedule_file_is_planned_as_it_is_written(tmp_path):
+    """A CSV schedule (PyTorch's format) is checked against the arguments like a name: its p,
+    its m against global batch / (micro batch x dp), its layout against the chunks."""
+    path = tmp_path / "my_zbv.csv"
+    path.write_text(build_schedule("zb-v", PP, 32).to_csv())
+    plan = plan_pretrain(PRETRAIN_ARGS, schedule=str(path), world_size=GPUS)
+    assert (plan.name, plan.p, plan.m, plan.v, plan.layout) == (str(path), 4, 32, 2, "v")
+    assert plan.peak_bytes == [30_601_641_984] * 4  # as the built-in zb-v
+    with pytest.raises(ValueError, match=r"m=32 microbatches.* is 64 microbatches per step: "
+                       r"set --global-batch-size 512"):
+        plan_pretrain(replaced(PRETRAIN_ARGS, "--global-batch-size", "1024"),
+                      schedule=str(path), world_size=GPUS)
+
+
 def cli(*args):
     return subprocess.run([sys.executable, "-m", "megatron_pp_ext", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)

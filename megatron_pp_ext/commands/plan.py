@@ -35,8 +35,9 @@ def register(subparsers) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--schedule", metavar="NAME",
-                        help="the schedule to plan (default: the arguments' --pipeline-schedule, "
-                        "else Megatron's own: 1f1b, or interleaved with virtual stages)")
+                        help="the schedule to plan: a name, or a schedule file (.csv, .json) "
+                        "(default: the arguments' --pipeline-schedule, else Megatron's own: "
+                        "1f1b, or interleaved with virtual stages)")
     parser.add_argument("--world-size", type=int, metavar="N",
                         help="GPUs in the job (default: from a torchrun / srun launcher in "
                         "front of the script, else tp x pp x cp, i.e. dp = 1)")

@@ -102,7 +102,7 @@ class PretrainPlan:
     num_microbatches: int
     chunks: int
     chunks_from: str
-    layout: str  # "loop" or "v"
+    layout: str  # "loop", "v", or "other" (a schedule file's own placement)
     num_layers: int
     layers_per_stage: int
     activations: ActivationEstimate
@@ -326,8 +326,9 @@ def plan_pretrain(argv: Sequence[str], schedule: str | None = None,
                   world_size: int | None = None, costs: CostModel | None = None,
                   unit: str = "t", costs_text: str = "") -> PretrainPlan:
     """The plan for ``argv`` (a pretrain_gpt.py argument list, optionally behind its launcher,
-    see :func:`split_launcher`) under ``schedule`` (default: the arguments'
-    ``--pipeline-schedule``, else Megatron's own: 1f1b, or interleaved with v >= 2 chunks).
+    see :func:`split_launcher`) under ``schedule``, a name or a schedule file (.csv, .json;
+    default: the arguments' ``--pipeline-schedule``, else Megatron's own: 1f1b, or interleaved
+    with v >= 2 chunks).
     ``costs``: a rank's share of one microbatch (``CostModel``; default unit costs), in
     ``unit`` ("t" or "s"). Raises ValueError naming the values and the fix when the arguments
     and the schedule do not fit together."""
@@ -382,13 +383,26 @@ def plan_pretrain(argv: Sequence[str], schedule: str | None = None,
     from .megatron_args import _model_chunks, schedule_options_from_args
 
     args.pipeline_schedule = name
+    args.data_parallel_size = dp  # as validate_args sets it: a schedule file's m is checked
     options = schedule_options_from_args(args)  # ValueError naming the flag to add or drop
     name = options["schedule"]
+    file_schedule = None
     if name not in REGISTRY:
-        raise ValueError(f"plan takes a registered schedule ({', '.join(REGISTRY)}), not "
-                         f"{name!r}")
-    spec = REGISTRY[name]
-    v = int(options.get("chunks") or 1)
+        from ..schedules import is_schedule_file, load_schedule_file, schedule_layout
+
+        if not is_schedule_file(name):
+            raise ValueError(f"plan takes a schedule name ({', '.join(REGISTRY)}) or a schedule "
+                             f"file (.csv, .json), not {name!r}")
+        file_schedule = load_schedule_file(name)
+        if file_schedule.num_microbatches != m:
+            raise ValueError(
+                f"--pipeline-schedule {name} runs m={file_schedule.num_microbatches} "
+                f"microbatches per step, but the arguments give m = global batch {global_batch} "
+                f"/ (micro batch {micro} x dp {dp}) = {m}: set --global-batch-size "
+                f"{file_schedule.num_microbatches * micro * dp}, or write the schedule for m={m}")
+        layout, v = schedule_layout(file_schedule) or "other", file_schedule.chunks
+    else:
+        layout, v = REGISTRY[name].layout, int(options.get("chunks") or 1)
     built = _model_chunks(args)
     if getattr(args, "num_virtual_stages_per_pipeline_rank", None):
         chunks_from = f"--num-virtual-stages-per-pipeline-rank {built}"
@@ -409,7 +423,7 @@ def plan_pretrain(argv: Sequence[str], schedule: str | None = None,
         lower, upper = (num_layers // stages) * stages, (num_layers // stages + 1) * stages
         sizes = [q for q in range(2, num_layers + 1) if num_layers % (q * v) == 0][:6]
         what = (f"2p = {stages} stages (V layout: rank r holds stages r and 2p-1-r)"
-                if spec.layout == "v" else f"p x v = {pp} x {v} = {stages} stages")
+                if layout == "v" else f"p x v = {pp} x {v} = {stages} stages")
         raise ValueError(
             f"--pipeline-schedule {name} with p={pp} (--pipeline-model-parallel-size) and v={v} "
             f"chunks per rank splits the model into {what}, but --num-layers {num_layers} is "
@@ -419,17 +433,20 @@ def plan_pretrain(argv: Sequence[str], schedule: str | None = None,
                f"(p = {', '.join(str(q) for q in sizes)})" if sizes else ""))
     layers_per_stage = num_layers // stages
 
-    build_options = {}
-    if options.get("max_pending_backward") is not None:
-        build_options["max_pending_backward"] = options["max_pending_backward"]
-    if name == "interleaved" and options.get("microbatch_group_size_per_vp_stage"):
-        build_options["microbatch_group_size_per_vp_stage"] = (
-            options["microbatch_group_size_per_vp_stage"])
-    try:
-        built_schedule = build_schedule(name, pp, m, v, **build_options)
-    except ValueError as exc:
-        raise ValueError(f"{name} with p={pp}, m={m} (global batch {global_batch} / (micro "
-                         f"batch {micro} x dp {dp})), v={v}: {exc}") from None
+    if file_schedule is not None:
+        built_schedule = file_schedule
+    else:
+        build_options = {}
+        if options.get("max_pending_backward") is not None:
+            build_options["max_pending_backward"] = options["max_pending_backward"]
+        if name == "interleaved" and options.get("microbatch_group_size_per_vp_stage"):
+            build_options["microbatch_group_size_per_vp_stage"] = (
+                options["microbatch_group_size_per_vp_stage"])
+        try:
+            built_schedule = build_schedule(name, pp, m, v, **build_options)
+        except ValueError as exc:
+            raise ValueError(f"{name} with p={pp}, m={m} (global batch {global_batch} / (micro "
+                             f"batch {micro} x dp {dp})), v={v}: {exc}") from None
     if pp > m:
         notes.append(f"p={pp} > m={m}: most ranks idle most of the step; raise "
                      "--global-batch-size so that m >= p")
@@ -442,7 +459,7 @@ def plan_pretrain(argv: Sequence[str], schedule: str | None = None,
     return PretrainPlan(
         schedule=built_schedule, name=name, how_chosen=how, tp=tp, pp=pp, cp=cp, dp=dp,
         world_size=world, world_from=world_from, global_batch=global_batch, micro_batch=micro,
-        num_microbatches=m, chunks=v, chunks_from=chunks_from, layout=spec.layout,
+        num_microbatches=m, chunks=v, chunks_from=chunks_from, layout=layout,
         num_layers=num_layers, layers_per_stage=layers_per_stage, activations=activations,
         peak_in_flight=list(peaks), peak_bytes=peak_bytes, timeline=timeline,
         costs_text=costs_text, notes=notes)
@@ -451,7 +468,7 @@ def plan_pretrain(argv: Sequence[str], schedule: str | None = None,
 def _schedule_name(args: Any, schedule: str | None) -> tuple[str, str]:
     if schedule:
         given = getattr(args, "pipeline_schedule", None)
-        if given and given != schedule:
+        if given and str(given).lower() != str(schedule).lower():
             return schedule, f"--schedule, in place of the arguments' --pipeline-schedule {given}"
         return schedule, "--schedule"
     given = getattr(args, "pipeline_schedule", None)
@@ -483,7 +500,8 @@ def plan_report(plan: PretrainPlan) -> str:
 
     p, m, v = plan.pp, plan.num_microbatches, plan.chunks
     layout = ("V layout: rank r holds stages r and 2p-1-r" if plan.layout == "v" else
-              "loop layout: rank r holds stages r, r+p, ..." if v > 1 else
+              "the stages placed as the schedule file places them" if plan.layout == "other"
+              else "loop layout: rank r holds stages r, r+p, ..." if v > 1 else
               "rank r holds stage r")
     act = plan.activations
     lines = [
