@@ -22,8 +22,9 @@ from megatron_pp_ext.schedules import (
 from megatron_pp_ext.train.processes import SpawnError, spawn
 from support.reference import assert_same, merge_results, run_step
 
-# PyTorch's ZB1P test schedule (2 ranks, 2 stages each, 8 microbatches); its licence note and
-# provenance: /work/shared/peer-schedules/README.md (the same file as the shared one)
+# PyTorch's ZB1P test schedule (2 ranks, 2 stages each, 8 microbatches), in tests/data since
+# the first analysis tests (byte-identical to the copy in /work/shared/peer-schedules, whose
+# README gives its provenance: PyTorch's own test data; it states no licence of its own)
 PEER_CSV = Path(__file__).parent / "data" / "torch_zb1p_2rank_2stagep_compute.csv"
 FP32 = dict(rtol=1e-5, atol=1e-6)
 
@@ -154,8 +155,8 @@ def test_the_run_time_checks_name_p_m_and_chunks(tmp_path):
 
 
 def test_the_peer_csv_loads_and_passes_nccls_rules():
-    """PyTorch's ZB1P CSV (kept in tests/data, as the shared folder's README allows) loads as
-    a v=2 loop-layout schedule, validates, and a P2P program for it passes NCCL's rules."""
+    """PyTorch's ZB1P CSV loads as a v=2 loop-layout schedule, validates, and a P2P program
+    for it passes NCCL's rules."""
     from megatron_pp_ext.runtime.lowering import LOCKSTEP, MEGATRON, lower, nccl_posting
     from megatron_pp_ext.analysis.nccl_rules import check_nccl_rules
 
