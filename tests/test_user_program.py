@@ -102,3 +102,33 @@ def test_a_batch_the_executor_cannot_post_as_written():
 def test_compute_only_csv_has_no_program():
     schedule, program = load("0F0,0B0\n", name="one")
     assert program is None and [str(a) for a in schedule.actions[0]] == ["0F0", "0B0"]
+
+
+# ------------------------------------------------------------------ a schedule file, end to end
+def test_a_schedule_file_with_its_own_communication_runs_it_under_nccl_rules(tmp_path):
+    """zb-h1 at p=2, m=8 written with the LOCKSTEP program (not the fused calls the plugin
+    would pick for zb-h1): installed from the file, the plugin posts exactly the file's
+    batches (real processes, gloo made to follow NCCL's batch rules), and the step is bit for
+    bit the built-in zb-h1's."""
+    from megatron_pp_ext.integration.forward_backward import ScheduleFunction
+    from megatron_pp_ext.runtime.lowering import LOCKSTEP, lower
+    from megatron_pp_ext.schedules import load_schedule_file
+    from megatron_pp_ext.train.processes import spawn
+    from support.nccl_rules import run_steps_under_rules
+    from support.reference import assert_same, merge_results
+
+    built = build_schedule("zb-h1", 2, 8)
+    program = lower(built, LOCKSTEP)
+    path = tmp_path / "zbh1_lockstep.csv"
+    path.write_text(program.to_csv())
+    assert load_schedule_file(str(path)).options["communication"] == program.cells()
+    timeouts = dict(p2p_timeout_s=30.0, first_step_timeout_s=30.0)
+    common = dict(pp=2, num_microbatches=8, ddp=True, nccl_rules=True)
+    per_rank = spawn(2, run_steps_under_rules,
+                     [dict(common, schedule=ScheduleFunction("zb-h1", **timeouts)),
+                      dict(common, schedule=ScheduleFunction(str(path), **timeouts))],
+                     timeout_s=300)
+    ours, theirs = ([ranks[i] for ranks in per_rank] for i in range(2))
+    assert [r["nccl_batches"] for r in theirs] == [len(program.batches(r)) for r in range(2)]
+    assert [r["nccl_batches"] for r in ours] != [r["nccl_batches"] for r in theirs]
+    assert_same(merge_results(theirs), merge_results(ours))

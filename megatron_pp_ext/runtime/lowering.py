@@ -159,7 +159,16 @@ def lower(schedule: Schedule, posting: str = MEGATRON,
     return program
 
 
+USER = "user"  # a schedule file's own communication (runtime.user_program)
+
+
 def _checked_program(schedule: Schedule, variable_shapes: bool) -> tuple[str, Program]:
+    from .user_program import program_of
+
+    program = program_of(schedule)
+    if program is not None:
+        postings = user_postings(schedule, program, variable_shapes)
+        return USER, lower(schedule, variable_shapes=variable_shapes, postings=postings)
     try:
         program = lower(schedule, MEGATRON, variable_shapes)
         check_nccl_rules(program)
@@ -172,11 +181,15 @@ def _checked_program(schedule: Schedule, variable_shapes: bool) -> tuple[str, Pr
 
 
 def nccl_posting(schedule: Schedule, variable_shapes: bool = False) -> dict[int, object] | None:
-    """How the executor posts ``schedule`` on NCCL: None for Megatron's fused calls where
-    NCCL's rules allow them (1F1B, GPipe, ZB-H1: every call and timer as Megatron's), else
-    each rank's lockstep posting. Raises ``ScheduleError`` (naming the ranks, the ops and
+    """How the executor posts ``schedule`` on NCCL: the program a schedule file brought,
+    else None for Megatron's fused calls where NCCL's rules allow them (1F1B, GPipe, ZB-H1:
+    every call and timer as Megatron's), else each rank's lockstep posting. Raises ``ScheduleError`` (naming the ranks, the ops and
     the cycle) if neither program passes ``check_nccl_rules``: before any byte moves."""
     posting, _ = _checked_program(schedule, variable_shapes)
+    if posting == USER:
+        from .user_program import program_of
+
+        return dict(enumerate(user_postings(schedule, program_of(schedule), variable_shapes)))
     return None if posting == MEGATRON else dict(enumerate(lockstep_postings(schedule)))
 
 

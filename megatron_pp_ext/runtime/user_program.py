@@ -53,7 +53,16 @@ def load(text: str, name: str = "csv", stage_to_rank=None) -> tuple[Schedule, Pr
     schedule = Schedule.from_csv(compute_csv, name=name, stage_to_rank=stage_to_rank)
     if not has_communication(text):
         return schedule, None
-    return schedule, _program(rows, schedule, name)
+    program = _program(rows, schedule, name)
+    # the schedule carries its program (as cells: JSON-able), for the lowering to run it
+    schedule.options["communication"] = program.cells()
+    return schedule, program
+
+
+def program_of(schedule: Schedule) -> Program | None:
+    """The program a schedule brought from its file (``load``), or None: derive one."""
+    cells = schedule.options.get("communication")
+    return _program(cells, schedule, schedule.name) if cells else None
 
 
 def _program(rows: list[list[str]], schedule: Schedule, name: str) -> Program:
@@ -141,4 +150,4 @@ def postings(schedule: Schedule, program: Program) -> list[LockstepPosting]:
     return out
 
 
-__all__ = ["has_communication", "is_communication_cell", "load", "postings"]
+__all__ = ["has_communication", "is_communication_cell", "load", "postings", "program_of"]

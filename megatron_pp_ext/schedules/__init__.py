@@ -177,15 +177,18 @@ def parse_schedule_file(text: str, path: str, forward_only: bool = False) -> Sch
         full = parse_schedule_file(text, path)
         only = Schedule(full.name, full.num_microbatches, full.stage_to_rank,
                         [[a for a in row if a.kind == FORWARD] for row in full.actions],
-                        {**full.options, "forward_only": True, "overlapped_pairs": False})
+                        {**{k: v for k, v in full.options.items() if k != "communication"},
+                         "forward_only": True, "overlapped_pairs": False})  # derived P2P
         validate_schedule(only)
         return only
     name = Path(path).stem or "csv"
     try:
         if path.strip().lower().endswith(".json"):
             schedule = Schedule.from_json(text)
-        else:
-            schedule = Schedule.from_csv(text, name=name)
+        else:  # with its own P2P communication or without (runtime.user_program)
+            from ..runtime.user_program import load
+
+            schedule, _ = load(text, name=name)
     except ScheduleError as exc:
         raise ScheduleError(f"schedule file {path}: {exc}") from None
     if not schedule.num_stages or not schedule.num_microbatches:
