@@ -162,35 +162,36 @@ def lower(schedule: Schedule, posting: str = MEGATRON,
 USER = "user"  # a schedule file's own communication (runtime.user_program)
 
 
-def _checked_program(schedule: Schedule, variable_shapes: bool) -> tuple[str, Program]:
+def _checked_program(schedule: Schedule, variable_shapes: bool) -> tuple[str, Program, list]:
+    """(how, the program, each rank's lockstep-seam posting or None for Megatron's fused
+    calls): the file's own program, else Megatron's fused calls, else lockstep rounds; the
+    first whose program passes ``check_nccl_rules``."""
     from .user_program import program_of
 
     program = program_of(schedule)
     if program is not None:
         postings = user_postings(schedule, program, variable_shapes)
-        return USER, lower(schedule, variable_shapes=variable_shapes, postings=postings)
+        return USER, lower(schedule, variable_shapes=variable_shapes, postings=postings), postings
     try:
         program = lower(schedule, MEGATRON, variable_shapes)
         check_nccl_rules(program)
-        return MEGATRON, program
+        return MEGATRON, program, None
     except ScheduleError:
         pass
-    program = lower(schedule, LOCKSTEP, variable_shapes)
+    postings = lockstep_postings(schedule)
+    program = lower(schedule, variable_shapes=variable_shapes, postings=postings)
     check_nccl_rules(program)
-    return LOCKSTEP, program
+    return LOCKSTEP, program, postings
 
 
 def nccl_posting(schedule: Schedule, variable_shapes: bool = False) -> dict[int, object] | None:
     """How the executor posts ``schedule`` on NCCL: the program a schedule file brought,
     else None for Megatron's fused calls where NCCL's rules allow them (1F1B, GPipe, ZB-H1:
-    every call and timer as Megatron's), else each rank's lockstep posting. Raises ``ScheduleError`` (naming the ranks, the ops and
-    the cycle) if neither program passes ``check_nccl_rules``: before any byte moves."""
-    posting, _ = _checked_program(schedule, variable_shapes)
-    if posting == USER:
-        from .user_program import program_of
-
-        return dict(enumerate(user_postings(schedule, program_of(schedule), variable_shapes)))
-    return None if posting == MEGATRON else dict(enumerate(lockstep_postings(schedule)))
+    every call and timer as Megatron's), else each rank's lockstep posting. Raises
+    ``ScheduleError`` (naming the ranks, the ops and the cycle) if no program passes
+    ``check_nccl_rules``: before any byte moves."""
+    _, _, postings = _checked_program(schedule, variable_shapes)
+    return None if postings is None else dict(enumerate(postings))
 
 
 def user_postings(schedule: Schedule, program: Program,
@@ -234,7 +235,7 @@ def nccl_post_ahead(schedule: Schedule, variable_shapes: bool = False) -> bool:
     ``check_nccl_rules`` and, timed under NCCL's rules at unit costs with messages of half
     and one forward, is never slower and somewhere faster (GPipe: its receives then overlap
     the forwards; 1F1B's are all fused already)."""
-    posting, program = _checked_program(schedule, variable_shapes)
+    posting, program, _ = _checked_program(schedule, variable_shapes)
     if posting != MEGATRON:
         return False
     ahead = lower(schedule, MEGATRON, variable_shapes, post_ahead=True)
@@ -253,7 +254,7 @@ def nccl_post_ahead(schedule: Schedule, variable_shapes: bool = False) -> bool:
 def nccl_program(schedule: Schedule, variable_shapes: bool = False) -> Program:
     """The checked program the executor runs on NCCL (the posting ``nccl_posting`` picks,
     receives posted ahead where ``nccl_post_ahead`` says so)."""
-    posting, program = _checked_program(schedule, variable_shapes)
+    posting, program, _ = _checked_program(schedule, variable_shapes)
     if posting == MEGATRON and nccl_post_ahead(schedule, variable_shapes):
         return lower(schedule, MEGATRON, variable_shapes, post_ahead=True)
     return program
