@@ -23,6 +23,7 @@ from .dualpipev import build_dualpipev
 from .gpipe import build_gpipe
 from .interleaved import build_interleaved
 from .one_f_one_b import build_1f1b
+from .pipedream import PIPEDREAM, PIPEDREAM_2BW, build_pipedream, build_pipedream_2bw
 from .zero_bubble import build_zb_h1, build_zb_h2
 from .zb_v import build_zb_v
 
@@ -96,6 +97,37 @@ NO_EQUIVALENT: dict[str, str] = {
 }
 SCHEDULE_FILE_SUFFIXES = (".csv", ".json")
 
+#: Asynchronous schedules (PipeDream, PipeDream-2BW: ``schedules.pipedream``). They change the
+#: optimizer's semantics (each stage updates its weights inside the action list, without a
+#: flush), so they live apart from ``REGISTRY``: never a candidate of select / auto / compare,
+#: never run by Megatron's ``forward_backward_func`` (which flushes every step); they run
+#: through ``megatron_pp_ext.runtime.pipedream`` and ``train --schedule pipedream``.
+ASYNC_REGISTRY: dict[str, Callable[..., Schedule]] = {
+    PIPEDREAM: build_pipedream,
+    PIPEDREAM_2BW: build_pipedream_2bw,
+}
+
+
+def is_async_schedule(name) -> bool:
+    """Whether ``name`` (any case) names an asynchronous schedule (``ASYNC_REGISTRY``)."""
+    return isinstance(name, str) and name.strip().lower() in ASYNC_REGISTRY
+
+
+def build_async_schedule(name: str, num_ranks: int, num_microbatches: int, steps: int = 2,
+                         validate: bool = True, **options) -> Schedule:
+    """Build an asynchronous schedule (``pipedream``, ``pipedream-2bw``) spanning ``steps``
+    optimizer batches of ``num_microbatches``, validated like every other."""
+    key = str(name).strip().lower()
+    if key not in ASYNC_REGISTRY:
+        raise ScheduleError(f"unknown asynchronous schedule {name!r}: choose one of "
+                            f"{', '.join(ASYNC_REGISTRY)}")
+    schedule = ASYNC_REGISTRY[key](num_ranks, num_microbatches, steps=steps, **options)
+    if validate:
+        from ..analysis.validate import validate_schedule
+
+        validate_schedule(schedule)
+    return schedule
+
 
 def schedule_names() -> list[str]:
     return list(REGISTRY)
@@ -103,6 +135,12 @@ def schedule_names() -> list[str]:
 
 def _unknown(name: str) -> ScheduleError:
     key = str(name).strip().lower()
+    if key in ASYNC_REGISTRY:
+        return ScheduleError(
+            f"schedule {name!r} is asynchronous (each stage updates its weights inside the "
+            "pipeline, never flushed): Megatron's forward_backward_func flushes every step and "
+            "cannot run it; run it with megatron_pp_ext.runtime.pipedream.AsyncPipeline or "
+            f"`python -m megatron_pp_ext train --schedule {key}` (docs/pipedream.md)")
     if key in NO_EQUIVALENT:
         return ScheduleError(
             f"schedule {name!r} has no equivalent here: {NO_EQUIVALENT[key]}. Write its order "
