@@ -123,3 +123,11 @@ def finish_memory_probe(device: torch.device, start: int | None,
     free, _total = torch.cuda.mem_get_info(device)
     cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     return float(free + cached), grown / max(1, peak_held)
+
+
+def allocator_peak_bytes(device: torch.device) -> int | None:
+    """The CUDA caching allocator's peak allocated bytes on ``device`` since the last
+    ``start_memory_probe`` (``torch.cuda.max_memory_allocated``); None on the CPU."""
+    if device.type != "cuda":
+        return None
+    return int(torch.cuda.max_memory_allocated(device))

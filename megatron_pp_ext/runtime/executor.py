@@ -12,6 +12,7 @@ held activations, keeps a history for timeouts and, when asked, records a trace.
 from __future__ import annotations
 
 import collections
+import contextlib
 import re
 import time
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ import torch
 
 from ..ir import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action, Schedule
 from ..timeline import COMM_WAIT, COMPUTE, Event
+from .. import device as device_helper
 from .errors import PeerFailedError, PeerReported, PipelineTimeoutError
 from .messages import (
     ACTIVATION,
@@ -33,6 +35,7 @@ from .messages import (
     comm_plan,
     incoming_messages,
 )
+from .memory import ActivationMemory
 from .transport import RecvRequest, TransportTimeout
 
 class StageWork(Protocol):
@@ -51,12 +54,22 @@ class StageWork(Protocol):
 @dataclass
 class StepResult:
     executed: list[Action]
-    peak_activations: int
+    peak_activations: int  # a COUNT of chunk-activations (the simulator's unit), not bytes
     comm_calls: collections.Counter
     events: list[Event] = field(default_factory=list)
     # the I/W split's weight-gradient GEMMs on this rank (runtime.wgrad.WeightGradStats as a
     # dict: counts and W's seconds), from the work's ``weight_grad_stats()``; None without a split
     weight_grads: dict | None = None
+    # Activation memory in bytes (runtime/memory.py); None for a forward-only step or with
+    # Executor(memory=False). peak_bytes: the peak over the step of the unique storages held
+    # by saved tensors, the W queue and waiting arrivals; peak_bytes_parts: that peak split
+    # into "saved", "w_queue" and "waiting"; saved_bytes_per_stage: {stage: bytes one F of
+    # the stage saved}; device_peak_bytes: on a GPU, the CUDA allocator's peak allocated
+    # bytes over the step (everything: weights, gradients, optimizer state too), else None.
+    peak_bytes: int | None = None
+    peak_bytes_parts: dict | None = None
+    saved_bytes_per_stage: dict | None = None
+    device_peak_bytes: int | None = None
 
 
 class PeerLostError(PipelineTimeoutError):
@@ -84,12 +97,16 @@ def connection_lost(exc: BaseException) -> bool:
 
 
 class Executor:
+    _memory: ActivationMemory | None = None  # set per step by run() (activation bytes)
+    _device_probe = None
+
     def __init__(self, schedule: Schedule, rank: int, transport, work: StageWork, *,
                  recv_shape: tuple | None, dtype: torch.dtype, device: torch.device,
                  timeout_s: float = 600.0, variable_shapes: bool = False,
                  trace: bool = False, clock: Callable[[], float] = time.perf_counter,
                  timers=None, incoming: dict[int, list[Message]] | None = None,
-                 lockstep: LockstepPosting | None = None, post_ahead: bool = False):
+                 lockstep: LockstepPosting | None = None, post_ahead: bool = False,
+                 memory: bool = True):
         self.schedule, self.rank, self.transport, self.work = schedule, rank, transport, work
         # What each peer sends this rank, in its order (a caller running many steps of one
         # schedule passes it in, derived once).
@@ -119,6 +136,7 @@ class Executor:
         # DualPipeV's F&B pairs run in one call when the work (the model) offers one.
         self.overlap = bool(schedule.options.get("overlapped_pairs")) and callable(
             getattr(work, "overlapped_forward_backward", None))
+        self.measure_memory = memory  # activation bytes (runtime/memory.py)
 
     def run(self) -> StepResult:
         self._history = collections.deque(maxlen=32)  # the last actions, for errors
@@ -128,6 +146,7 @@ class Executor:
         self._unsent: list[tuple] = []  # (send handle, output, message) until the send is done
         self._inbox = Inbox(self.incoming)
         self._held = self._peak = 0
+        self._start_memory()
         begin = getattr(self.work, "begin", None)
         i = 0
         while i < len(self.actions):
@@ -146,8 +165,9 @@ class Executor:
                     begin(partner)
                 partner_in = self._input_of(i + 1, partner)
                 start = self.clock() if self.trace else 0.0
-                produced, partner_out = self.work.overlapped_forward_backward(
-                    action, incoming, partner, partner_in)
+                with self._packing(action):
+                    produced, partner_out = self.work.overlapped_forward_backward(
+                        action, incoming, partner, partner_in)
                 self._count(action)
                 self._count(partner)
                 self._record(start, f"{action}+{partner}")
@@ -172,8 +192,10 @@ class Executor:
                 f"{sorted(self._local) + [str(m) for m in self._inbox.stash]} (the schedule "
                 "lacks their consumers)")
         stats = getattr(self.work, "weight_grad_stats", None)
-        return StepResult(list(self.actions), self._peak, self._calls, self._events,
-                          weight_grads=stats() if callable(stats) else None)
+        result = StepResult(list(self.actions), self._peak, self._calls, self._events,
+                            weight_grads=stats() if callable(stats) else None)
+        self._finish_memory(result)
+        return result
 
     def _input_of(self, i: int, action: Action):
         """Receive (or take over locally) what ``action`` needs."""
@@ -184,18 +206,21 @@ class Executor:
                 incoming.requires_grad_(True)
         else:
             incoming = self._local.pop(self._local_key(action), None)
+        if action.kind == FORWARD and self._memory is not None:
+            self._memory.note_input(incoming)
         if action.kind != FORWARD:
             # Megatron's backward wants the sent output already deallocated.
             self._settle_output_of(action)
         return incoming
 
     def _compute(self, action: Action, incoming):
-        if action.kind == FORWARD:
-            produced = self.work.forward(action, incoming)
-        elif action.kind == BACKWARD_WEIGHT:
-            produced = self.work.weight(action)
-        else:
-            produced = self.work.backward(action, incoming)
+        with self._packing(action):
+            if action.kind == FORWARD:
+                produced = self.work.forward(action, incoming)
+            elif action.kind == BACKWARD_WEIGHT:
+                produced = self.work.weight(action)
+            else:
+                produced = self.work.backward(action, incoming)
         self._count(action)
         return produced
 
@@ -207,6 +232,7 @@ class Executor:
                 self._peak = max(self._peak, self._held)
         elif action.kind in (BACKWARD, BACKWARD_WEIGHT):
             self._held -= 1
+        self._sample_memory()
 
     def _record(self, start: float, label: str) -> None:
         if self.trace:
@@ -285,6 +311,7 @@ class Executor:
             self.work.deallocate(produced)
         elif action.kind != FORWARD and action.stage > 0:
             self._local[(GRADIENT, action.stage - 1, action.microbatch)] = produced
+        self._sample_memory()
 
     def _check_outgoing(self, tensor, message: Message, action: Action) -> None:
         if self.variable_shapes or self.recv_shape is None:
@@ -341,6 +368,8 @@ class Executor:
                 self._post(None, None, [inbox.next_from(needed.peer)])
             message, handle = inbox.oldest_in_flight(needed.peer)
             inbox.stash[message] = self._wait(handle, message, action)
+            if message != needed:  # an early arrival: it waits, held, for a later action
+                self._sample_memory()
             if message in self.open_timers:
                 self.timers(self.open_timers.pop(message)).stop()
         return inbox.stash.pop(needed)
@@ -429,3 +458,35 @@ class Executor:
             cause = cause.split(". This is typically")[0][:200]
             raise PeerLostError(self.rank, peer, pending, waited_s, list(self._history),
                                 cause) from exc
+
+    # ------------------------------------------------------------------ activation bytes
+    # (runtime/memory.py: the saved tensors of in-flight microbatches, the W queue's
+    # tensors and the arrivals waiting for their action, as unique storages)
+    def _start_memory(self) -> None:
+        self._memory = (ActivationMemory() if self.measure_memory and self.frees_activations
+                        else None)
+        self._device_probe = (device_helper.start_memory_probe(self.device)
+                              if self._memory is not None else None)
+
+    def _packing(self, action: Action):
+        if self._memory is None or action.kind == BACKWARD_WEIGHT:
+            return contextlib.nullcontext()
+        if action.kind == FORWARD:
+            return self._memory.packing(action.stage, action.microbatch)
+        return self._memory.packing()  # B / I: a recomputation's saved tensors, for a moment
+
+    def _sample_memory(self) -> None:
+        if self._memory is None:
+            return
+        held = getattr(self.work, "held_tensors", None)
+        self._memory.sample(held() if callable(held) else (),
+                            (self._inbox.stash_tensors(), list(self._local.values())))
+
+    def _finish_memory(self, result: StepResult) -> None:
+        if self._memory is None:
+            return
+        result.peak_bytes = int(self._memory.peak_bytes)
+        result.peak_bytes_parts = dict(self._memory.peak_parts)
+        result.saved_bytes_per_stage = self._memory.saved_bytes_per_stage()
+        if self._device_probe is not None:
+            result.device_peak_bytes = device_helper.allocator_peak_bytes(self.device)

@@ -129,6 +129,16 @@ class Inbox:
         """(message, handle) of the oldest receive posted from ``peer`` (None: none)."""
         return self.in_flight[peer].popleft() if self.in_flight[peer] else None
 
+    def stash_tensors(self) -> list:
+        """The tensors that arrived early and wait in the stash (activation memory)."""
+        return list(self.stash.values())
+
+    def stash_bytes(self) -> int:
+        """Bytes of the stash's unique storages (``runtime.memory``)."""
+        from .memory import unique_bytes
+
+        return unique_bytes(self.stash.values())
+
 
 @dataclass
 class LockstepPosting:

@@ -660,6 +660,27 @@ class WeightGradSplit:
         self.stats.w_seconds += time.perf_counter() - start
         self.stats.in_w += len(tasks)
 
+    def held_tensors(self) -> list:
+        """The activation tensors the pending W tasks hold (a linear's input and output
+        gradient; TE's stored tensors), not the weights or main_grad buffers they write to:
+        the W queue's part of the activation memory (``runtime.memory``)."""
+        held = []
+        for tasks in self.pending.values():
+            for task in tasks:
+                if isinstance(task, LinearWeightGrad):
+                    held += [task.input, task.grad_output]
+                else:
+                    held += [t for t in getattr(task, "tensors", None) or ()
+                             if isinstance(t, torch.Tensor)
+                             and not isinstance(t, torch.nn.Parameter)]
+        return held
+
+    def held_bytes(self) -> int:
+        """Bytes of the unique storages of :meth:`held_tensors`."""
+        from .memory import unique_bytes
+
+        return unique_bytes(self.held_tensors())
+
     def assert_drained(self) -> None:
         left = sorted(key for key, tasks in self.pending.items() if tasks)
         assert not left, f"W queue not empty at the end of the step: (stage, microbatch) {left}"
