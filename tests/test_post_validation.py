@@ -1,0 +1,85 @@
+"""Post-validated optimizer step (``integration.post_validation``) against Megatron's own
+synchronous ``optimizer.step()``, bit for bit, on the CPU (gloo, 4 processes: pipeline 2 x data
+parallel 2, the tiny Megatron-Core GPT, Megatron's ``get_megatron_optimizer``).
+
+Each run trains two replicas side by side (``support.post_validation_run``): the reference
+steps synchronously; the other steps optimistically (``begin_step``) and settles at its next
+``zero_grad()``. Per step the clip threshold is set so that clipping triggers on steps 1 and
+4 and not on 0, 2, 3; on step 3 the last stage's gradient of one parameter is filled with inf
+(an fp16 overflow). After every step: model parameters, main parameters, Adam's exp_avg,
+exp_avg_sq and step, and the loss scaler's scale and trackers equal bit for bit, and the
+returned (success, grad norm, zeros) are Megatron's. A last step goes through the synchronous
+``step()`` (what Megatron-LM's ``train_step`` calls). The negative control runs with a
+rollback that restores nothing and must differ, so the comparison can fail.
+"""
+
+import pytest
+
+from megatron_pp_ext.train.processes import spawn
+from support.post_validation_run import run_post_validation
+
+CLIPS = [100.0, 0.05, 100.0, 100.0, 0.05]  # clipping triggers on steps 1 and 4
+INF_STEP = 3
+TIMEOUT = 300  # a hang fails the test; nothing is timed
+
+
+def _run(**kwargs):
+    return spawn(4, run_post_validation, pp=2, clips=CLIPS, timeout_s=TIMEOUT, **kwargs)
+
+
+def _check_bit_identical(results, inf_step):
+    for r in results:
+        assert r["wrapped"] == "ChainedOptimizer"
+        assert r["mismatches"] == [[]] * len(CLIPS), (r["rank"], r["mismatches"])
+        assert [x["megatron"] for x in r["pv"]] == r["ref"], r["rank"]
+        sync_ref, sync_pv, sync_mismatch = r["sync"]
+        assert sync_pv == sync_ref and sync_mismatch == []
+        for step, outcome in enumerate(r["pv"]):
+            if step == inf_step:  # skipped, as Megatron skips it: rolled back, not redone
+                assert r["ref"][step] == [False, None, None]
+                assert outcome["found_inf"] and outcome["rolled_back"] and not outcome["redone"]
+            elif CLIPS[step] < 1.0:  # Megatron clipped: rolled back and redone clipped
+                assert outcome["clipped"] and outcome["rolled_back"] and outcome["redone"]
+                assert r["ref"][step][1] > CLIPS[step]
+            else:  # the optimistic step was Megatron's step: kept
+                assert not outcome["rolled_back"] and not outcome["clipped"]
+                assert r["ref"][step][1] < CLIPS[step]
+
+
+@pytest.mark.parametrize("schedule,distributed", [("zb-h2", False), ("1f1b", True)],
+                         ids=["float16-optimizer-zb-h2", "distributed-optimizer-1f1b"])
+def test_fp16_clipping_and_overflow_bit_identical(schedule, distributed):
+    results = _run(precision="fp16", distributed=distributed, schedule=schedule,
+                   inf_step=INF_STEP)
+    _check_bit_identical(results, INF_STEP)
+    leaf = "DistributedOptimizer" if distributed else "Float16OptimizerWithFloat16Params"
+    assert {r["leaf"] for r in results} == {leaf}
+    for r in results:
+        # the snapshot: fp32 main params + exp_avg + exp_avg_sq (12 B each), the fp16 model
+        # params (2 B each; all of the rank's, sharded optimizer or not) and Adam's step counts
+        per_main = r["snapshot_bytes"][-1] / r["main_numel"]
+        assert (14.0 if not distributed else 12.0) <= per_main
+        assert r["snapshot_bytes"][0] < r["snapshot_bytes"][-1]  # no Adam state before step 0
+
+
+@pytest.mark.parametrize("precision,distributed", [("bf16", True), ("fp32", False)])
+def test_without_loss_scaler_clipping_bit_identical(precision, distributed):
+    results = _run(precision=precision, distributed=distributed, schedule="zb-h1")
+    _check_bit_identical(results, inf_step=None)
+    leaf = "DistributedOptimizer" if distributed else "FP32Optimizer"
+    assert {r["leaf"] for r in results} == {leaf}
+
+
+def test_rollback_that_restores_nothing_is_caught():
+    results = _run(precision="fp16", schedule="zb-h2", inf_step=INF_STEP, without_restore=True)
+    for r in results:
+        first_rollback = min(step for step, o in enumerate(r["pv"]) if o["rolled_back"])
+        assert r["mismatches"][first_rollback], r["rank"]
+        assert all(not m for m in r["mismatches"][:first_rollback])
+
+
+def test_refusals():
+    from megatron_pp_ext.integration.post_validation import PostValidatedOptimizer
+
+    with pytest.raises(ValueError, match="FP32Optimizer, Float16Optimizer"):
+        PostValidatedOptimizer(object())
