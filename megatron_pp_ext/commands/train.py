@@ -36,7 +36,11 @@ def register(subparsers) -> None:
                         help=f"one of {', '.join(schedule_names())} (any case, or PyTorch's "
                         "name for it), auto (measure the first step, then run the fastest "
                         f"that fits), or a schedule file FILE.csv / FILE.json (default "
-                        f"{d.schedule})")
+                        f"{d.schedule}); asynchronous, opt-in: pipedream, pipedream-2bw "
+                        "(docs/pipedream.md)")
+    parser.add_argument("--vertical-sync", action="store_true",
+                        help="pipedream only: every stage runs a microbatch on the weight "
+                        "version it entered the pipeline with")
     parser.add_argument("--csv", metavar="FILE",
                         help="run the schedule in this file (PyTorch's compute-only CSV, or "
                         ".json); -p and -m default to the file's")
@@ -90,12 +94,17 @@ def settings_from(args) -> TrainSettings:
         lr=args.lr, layers=args.layers, hidden=args.hidden, heads=args.heads,
         seq_length=args.seq_length, micro_batch_size=args.micro_batch_size, vocab=args.vocab,
         p2p_timeout_s=args.p2p_timeout_s, timeout_s=args.timeout_s,
+        vertical_sync=getattr(args, "vertical_sync", False),
     )
 
 
 def run(args) -> int:
     settings = settings_from(args)
     settings.check()  # ValueError: one 'error:' line, exit 2, before any process starts
+    if settings.is_async:  # pipedream, pipedream-2bw: not Megatron's forward_backward_func
+        from ..train.async_loop import run as run_async
+
+        return run_async(settings)
     from ..train.launcher import detect, run as launch
     from .hints import warn_p_exceeds_m
 

@@ -13,8 +13,10 @@ from ..integration.options import AUTO
 from ..ir import Schedule, ScheduleError
 from ..schedules import (
     build_schedule,
+    build_async_schedule,
     canonical_name,
     get_spec,
+    is_async_schedule,
     is_schedule_file,
     load_schedule_file,
     schedule_layout,
@@ -43,11 +45,14 @@ class TrainSettings:
     vocab: int = 64
     p2p_timeout_s: float = 120.0  # the plugin's wait on any peer
     timeout_s: float | None = None  # the whole run (local launch); None: from the size
+    vertical_sync: bool = False  # pipedream only: every stage uses the entry version
 
     def __post_init__(self):
         # names in any case, or PyTorch's, as the registry's (unknown ones: check() says so)
         if isinstance(self.schedule, str) and not is_schedule_file(self.schedule):
-            if self.schedule.strip().lower() == AUTO:
+            if is_async_schedule(self.schedule):  # pipedream, pipedream-2bw: train.async_loop
+                object.__setattr__(self, "schedule", self.schedule.strip().lower())
+            elif self.schedule.strip().lower() == AUTO:
                 object.__setattr__(self, "schedule", AUTO)
             else:
                 try:
@@ -56,6 +61,11 @@ class TrainSettings:
                     pass
 
     # ---- derived
+    @property
+    def is_async(self) -> bool:
+        """An asynchronous schedule (pipedream, pipedream-2bw): run by ``train.async_loop``."""
+        return is_async_schedule(self.schedule)
+
     @property
     def is_file(self) -> bool:
         """Whether the schedule is a file (``--csv``, or ``--schedule FILE.csv``)."""
@@ -69,6 +79,9 @@ class TrainSettings:
         """The schedule the first step runs: the file's, or the built one."""
         if self.is_file:
             return self.file_schedule()
+        if self.is_async:
+            return build_async_schedule(self.schedule, self.pp, self.microbatches, self.steps,
+                                        **({"vertical_sync": True} if self.vertical_sync else {}))
         return build_schedule(self.first_schedule, self.pp, self.microbatches, self.v)
 
     @property
@@ -84,6 +97,8 @@ class TrainSettings:
         """Model chunks per rank."""
         if self.is_file:
             return self.file_schedule().chunks
+        if self.is_async:
+            return 1 if self.chunks is None else self.chunks
         spec = get_spec(self.first_schedule)
         return spec.default_chunks if self.chunks is None else self.chunks
 
@@ -93,6 +108,8 @@ class TrainSettings:
         schedule file's from its stage-to-rank mapping."""
         if self.is_file:
             return schedule_layout(self.file_schedule())
+        if self.is_async:
+            return "loop"
         return get_spec(self.first_schedule).layout
 
     @property
@@ -121,12 +138,18 @@ class TrainSettings:
     # ---- checks
     def check(self) -> None:
         """Raise ``ValueError`` (one sentence, with the fix) for anything that cannot run."""
+        if self.vertical_sync and self.schedule != "pipedream":
+            raise ValueError(f"--vertical-sync is PipeDream's option; {self.schedule} does not "
+                             "take it (use --schedule pipedream)")
+        if self.is_async and self.chunks not in (None, 1):
+            raise ValueError(f"--chunks {self.chunks} does not fit {self.schedule}: it runs one "
+                             "model chunk per rank (leave --chunks out)")
         if self.is_file:
             self._check_file()
         elif self.schedule == AUTO and self.chunks not in (None, 1, 2):
             raise ValueError(f"--schedule auto takes --chunks 1 (gpipe, 1f1b, zb-h1, zb-h2) or 2 "
                              f"(the V layout: zb-v, dualpipev), not {self.chunks}")
-        spec = None if self.is_file else get_spec(self.first_schedule)  # unknown: closest named
+        spec = None if self.is_file or self.is_async else get_spec(self.first_schedule)  # unknown: closest named
         for name in ("pp", "microbatches", "steps", "hidden", "heads", "seq_length",
                      "micro_batch_size"):
             value = getattr(self, name)
@@ -159,6 +182,12 @@ class TrainSettings:
         if self.hidden % self.heads:
             raise ValueError(f"--hidden {self.hidden} must be a multiple of --heads {self.heads}")
         if self.is_file:
+            return
+        if self.is_async:
+            try:  # 2BW: m >= p
+                self.first_step_schedule()
+            except ScheduleError as exc:
+                raise ValueError(" ".join(str(exc).split())) from None
             return
         try:  # the builder's own constraints (e.g. interleaved: p <= m, m mod p), validated
             build_schedule(self.first_schedule, self.pp, self.microbatches, self.v)

@@ -1,0 +1,210 @@
+"""``train --schedule pipedream|pipedream-2bw``: the tiny Megatron-Core GPT under an
+asynchronous schedule (``schedules.pipedream``), through the Python API
+(``runtime.pipedream.AsyncPipeline``) and the one executor, over gloo processes.
+
+Megatron's ``forward_backward_func`` flushes every step, so this path does not go through it:
+each rank builds its chunk of the same tiny ``GPTModel`` (unwrapped: no DDP, one chunk per
+rank), a ``torch.optim.Adam`` with ``--lr`` over its parameters (the same Adam as the flushed
+schedules' Megatron optimizer: betas 0.9 / 0.999, eps 1e-8, no weight decay, no clipping on the
+CPU), and runs all ``--steps`` batches of ``-m`` microbatches as one action list, the same
+data as every other schedule (``train.data.counting_batches``, batch = step). The rank holding
+the last stage prints a line per batch as its last loss arrives and writes ``summary.json``
+(per-batch losses, weight versions and their bytes per rank, peak activations, staleness).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from .quiet import hide_megatron_warnings
+from .settings import TrainSettings
+
+
+def staleness(settings: TrainSettings) -> str:
+    p, m = settings.pp, settings.microbatches
+    if settings.schedule == "pipedream-2bw":
+        return (f"PipeDream-2BW: gradients of a batch of {m} microbatches are applied one batch "
+                "late: W(t+1) = W(t) - lr * grad f(W(t-1)), the same version on every stage; "
+                "2 versions per stage")
+    if settings.vertical_sync:
+        return (f"PipeDream with vertical sync: an update per microbatch, computed on the "
+                f"version the microbatch entered with, {p - 1} updates old on every stage: "
+                f"W(t+1) = W(t) - lr * grad f(W(t-{p - 1}))")
+    return (f"PipeDream with weight stashing: an update per microbatch; stage r computes on a "
+            f"version p-1-r = {p - 1}..0 updates old (stage 0 the stalest): W(t+1) = W(t) - lr * "
+            "grad f(W_1(t-p+1), ..., W_p(t)); stage r stashes up to p - r versions")
+
+
+def async_train_rank(rank: int, world_size: int, settings: TrainSettings,
+                     launcher: str = "local") -> dict | None:
+    """One rank's run (the process group is initialized). The summary on the last stage's
+    rank, None elsewhere."""
+    from megatron.core import parallel_state
+
+    from ..models import tiny_gpt
+    from ..runtime.pipedream import AsyncPipeline
+    from ..runtime.transport import TorchDistTransport
+    from .data import counting_batches
+    from .processes import init_megatron
+
+    logging.getLogger("megatron.core.models.gpt.gpt_model").setLevel(logging.ERROR)
+    hide_megatron_warnings()
+    started = time.perf_counter()
+    p, m, steps = settings.pp, settings.microbatches, settings.steps
+    cfg = tiny_gpt.TinyGPTConfig(
+        num_layers=settings.num_layers, hidden_size=settings.hidden,
+        num_attention_heads=settings.heads, vocab_size=settings.vocab,
+        seq_length=settings.seq_length, micro_batch_size=settings.micro_batch_size,
+        seed=settings.seed, loss_mask_drop=0.0)
+    init_megatron(p, None, seed=settings.seed, force_cpu=True)
+    config = tiny_gpt.make_transformer_config(cfg, p, None)
+    (chunk,) = tiny_gpt.build_model_chunks(cfg, vp_size=None, layout="loop", config=config)
+    optimizer = torch.optim.Adam(chunk.parameters(), lr=settings.lr, betas=(0.9, 0.999),
+                                 eps=1e-8, weight_decay=0.0)
+    batches = [b for step in range(steps) for b in counting_batches(
+        m, cfg.micro_batch_size, cfg.seq_length, cfg.vocab_size, settings.seed, step)]
+    last = p - 1
+    pp_group = parallel_state.get_pipeline_model_parallel_group()
+    pp_rank = pp_group.rank()
+
+    def forward_fn(stage, microbatch, call, input_tensor):
+        batch = batches[microbatch]
+        if stage != 0:
+            chunk.set_input_tensor(input_tensor)
+        output = call(batch["tokens"], batch["position_ids"], batch["attention_mask"],
+                      labels=batch["labels"])
+        if stage == last:
+            return tiny_gpt.loss_func(batch["loss_mask"], output)[0]
+        return output
+
+    lines = []
+    clock = {"last": time.perf_counter()}
+    batch_losses: list[float] = []
+
+    def on_loss(microbatch, value):
+        batch_losses.append(value)
+        if (microbatch + 1) % m:
+            return
+        step = (microbatch + 1) // m
+        now = time.perf_counter()
+        mean = sum(batch_losses[-m:]) / m
+        line = (f"[{step:>{len(str(steps))}}/{steps}] step {step}  loss {mean:7.4f}  time "
+                f"{now - clock['last']:6.3f} s")
+        clock["last"] = now
+        lines.append(line)
+        print(line, flush=True)
+
+    if pp_rank == last:
+        print(f"training the tiny Megatron-Core GPT ({cfg.num_layers} layers, hidden "
+              f"{cfg.hidden_size}) with {settings.schedule}"
+              f"{' (vertical sync)' if settings.vertical_sync else ''}: pp={p}, {steps} "
+              f"batches of {m} microbatches in one action list (no flush), gloo via {launcher}"
+              f"\nstaleness: {staleness(settings)}", flush=True)
+    transport = TorchDistTransport(pp_group, timeout_s=settings.p2p_timeout_s)
+    pipeline = AsyncPipeline(settings.schedule, [chunk], optimizer, forward_fn,
+                             num_microbatches=m, steps=steps,
+                             vertical_sync=settings.vertical_sync,
+                             recv_shape=(cfg.seq_length, cfg.micro_batch_size, cfg.hidden_size),
+                             dtype=torch.float32, transport=transport,
+                             timeout_s=settings.p2p_timeout_s,
+                             on_loss=on_loss if pp_rank == last else None)
+    t0 = time.perf_counter()
+    result = pipeline.run()
+    seconds = time.perf_counter() - t0
+    mine = {"rank": pp_rank, "versions_held": result.max_versions_held,
+            "stashed_weight_bytes": result.max_stashed_bytes,
+            "parameter_bytes": sum(q.numel() * q.element_size() for q in chunk.parameters()),
+            "peak_activations": result.step.peak_activations,
+            "planned_versions_held": pipeline.plan.max_held[pp_rank]}
+    gathered: list = [None] * pp_group.size()
+    dist.all_gather_object(gathered, mine, group=pp_group)
+    if pp_rank != last:
+        return None
+    per_step = result.losses_per_step(m)
+    summary = {
+        "schedule": settings.schedule,
+        "vertical_sync": settings.vertical_sync,
+        "pp": p, "microbatches": m, "steps": steps, "chunks": 1, "layout": "loop",
+        "launcher": launcher, "backend": "gloo",
+        "optimizer": f"torch.optim.Adam(lr={settings.lr})",
+        "update_rule": pipeline.plan.rule.describe(),
+        "staleness": staleness(settings),
+        "losses": per_step,
+        "losses_per_microbatch": result.losses,
+        "updates_per_stage": result.work.updates,
+        "versions_held_per_rank": [g["versions_held"] for g in gathered],
+        "stashed_weight_bytes_per_rank": [g["stashed_weight_bytes"] for g in gathered],
+        "parameter_bytes_per_rank": [g["parameter_bytes"] for g in gathered],
+        "peak_activations": [g["peak_activations"] for g in gathered],
+        "seconds_pipeline": seconds,
+        "seconds_per_microbatch": seconds / (m * steps),
+        "seconds_total": time.perf_counter() - started,
+        "settings": settings.to_dict(),
+    }
+    from .report import write_outputs
+
+    files = write_outputs(settings.out, summary, None, None)
+    print(f"done in {summary['seconds_total']:.1f} s: loss {per_step[0]:.4f} -> "
+          f"{per_step[-1]:.4f}, {1000 * summary['seconds_per_microbatch']:.1f} ms per "
+          f"microbatch; weight versions per rank {summary['versions_held_per_rank']} "
+          f"({', '.join(f'{b / 2**20:.2f}' for b in summary['stashed_weight_bytes_per_rank'])}"
+          f" MiB stashed); peak activations {summary['peak_activations']}\nwrote "
+          + ", ".join(files), flush=True)
+    return summary
+
+
+def run(settings: TrainSettings) -> int:
+    """Local gloo processes (under torchrun / srun: one process per pipeline rank, dp = 1)."""
+    from .launcher import detect
+    from .processes import SpawnError, spawn
+
+    hide_megatron_warnings()
+    launch = detect()
+    if launch.kind != "local":
+        return _run_launched(settings, launch)
+    print(f"starting {settings.pp} gloo processes on this machine's CPUs (each imports torch "
+          "and Megatron-Core first: a few seconds)", flush=True)
+    for attempt in range(3):
+        try:
+            spawn(settings.pp, async_train_rank, settings, timeout_s=settings.run_timeout_s)
+            return 0
+        except SpawnError as exc:
+            if "EADDRINUSE" in str(exc) and attempt < 2:
+                continue
+            print(f"error: training failed: {exc}", file=sys.stderr)
+            return 1
+    return 1
+
+
+def _run_launched(settings: TrainSettings, launch) -> int:
+    import datetime
+    import os
+
+    if launch.world_size != settings.pp:
+        if launch.rank == 0:
+            raise ValueError(
+                f"{settings.schedule} runs one pipeline (no data parallelism): start "
+                f"{settings.pp} processes, not {launch.world_size}")
+        return 2
+    os.environ.update(RANK=str(launch.rank), WORLD_SIZE=str(launch.world_size),
+                      LOCAL_RANK=str(launch.local_rank))
+    if launch.master_addr:
+        os.environ["MASTER_ADDR"] = launch.master_addr
+    if launch.master_port:
+        os.environ["MASTER_PORT"] = launch.master_port
+    dist.init_process_group("gloo", init_method="env://", rank=launch.rank,
+                            world_size=launch.world_size,
+                            timeout=datetime.timedelta(seconds=settings.run_timeout_s))
+    try:
+        async_train_rank(launch.rank, launch.world_size, settings, launcher=launch.kind)
+    finally:
+        from .processes import destroy
+
+        destroy()
+        dist.destroy_process_group()
+    return 0
