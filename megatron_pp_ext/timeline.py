@@ -44,6 +44,10 @@ class Timeline:
     peak_activations: list[int] = field(default_factory=list)
     source: str = "predicted"  # or "measured"
     unit: str = "t"  # time unit of start/end ("t" for cost-model units, "s" for seconds)
+    # per rank, the peak activation BYTES (runtime/memory.py: measured; or the simulator's
+    # count calibrated with one F's bytes per stage); empty when unknown. peak_activations
+    # above is a COUNT of chunk-activations.
+    peak_bytes: list = field(default_factory=list)
 
     def compute_events(self, rank: int | None = None) -> list[Event]:
         return [
@@ -114,6 +118,7 @@ class Timeline:
                 "peak_activations": (
                     self.peak_activations[r] if r < len(self.peak_activations) else None
                 ),
+                "peak_bytes": self.peak_bytes[r] if r < len(self.peak_bytes) else None,
             }
             for r in range(self.num_ranks)
         ]

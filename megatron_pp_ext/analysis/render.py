@@ -482,11 +482,16 @@ def _axis(extent: float, px_per_unit: float, longest: float, unit: str, y: int) 
 def _summary_table(timeline: Timeline, has_p2p: bool = False) -> str:
     factor, unit = display_unit(timeline.unit)
     p2p_head = f"<th>p2p in flight ({unit})</th>" if has_p2p else ""
-    peak_head = ("peak activations" if timeline.chunks <= 1 else
-                 f"peak activations (chunks of 1/{timeline.chunks} of a rank's layers)")
+    peak_head = ("peak activations (count)" if timeline.chunks <= 1 else
+                 f"peak activations (count of chunks of 1/{timeline.chunks} of a rank's "
+                 "layers)")
+    with_bytes = any(b is not None for b in timeline.peak_bytes)
+    bytes_head = ("<th>peak activation bytes (" + ("measured" if timeline.source == "measured"
+                                                  else "predicted") + ")</th>"
+                  if with_bytes else "")
     rows = [
         f"<tr><th>rank</th><th>busy ({unit})</th><th>comm wait ({unit})</th>"
-        f"<th>idle ({unit})</th>{p2p_head}<th>{html.escape(peak_head)}</th></tr>"
+        f"<th>idle ({unit})</th>{p2p_head}<th>{html.escape(peak_head)}</th>{bytes_head}</tr>"
     ]
     in_flight = [0.0] * timeline.num_ranks
     if has_p2p:
@@ -499,13 +504,23 @@ def _summary_table(timeline: Timeline, has_p2p: bool = False) -> str:
         rows.append(
             f"<tr><td>{s['rank']}</td><td>{_fmt(s['busy'] * factor)}</td>"
             f"<td>{_fmt(s['comm_wait'] * factor)}</td><td>{_fmt(s['idle'] * factor)}</td>"
-            f"{p2p_cell}<td>{peak}</td></tr>"
+            f"{p2p_cell}<td>{peak}</td>{_bytes_cell(s['peak_bytes']) if with_bytes else ''}"
+            "</tr>"
         )
     rows.append(
-        f'<tr><th colspan="{6 if has_p2p else 5}">makespan {_fmt(timeline.makespan * factor)} '
+        f'<tr><th colspan="{(6 if has_p2p else 5) + (1 if with_bytes else 0)}">makespan {_fmt(timeline.makespan * factor)} '
         f"{unit}, bubble {100 * timeline.bubble_fraction:.2f}%</th></tr>"
     )
     return "<table>" + "".join(rows) + "</table>"
+
+
+def _bytes_cell(value) -> str:
+    """A byte count in binary units, the exact number in its tooltip."""
+    if value is None:
+        return "<td></td>"
+    from ..runtime.memory import format_bytes_iec
+
+    return f'<td title="{int(value)} bytes">{html.escape(format_bytes_iec(value))}</td>'
 
 
 def _nice_step(raw: float) -> float:
@@ -590,6 +605,7 @@ def render_chrome_trace(timeline: Timeline) -> dict:
             "note": note,
             "makespan": timeline.makespan,
             "bubble_fraction": timeline.bubble_fraction,
-            "peak_activations": list(timeline.peak_activations),
+            "peak_activations": list(timeline.peak_activations),  # a count
+            "peak_bytes": list(timeline.peak_bytes),  # activation bytes per rank
         },
     }

@@ -248,5 +248,10 @@ class MegatronStageWork:
         W's time on them (``runtime.wgrad.WeightGradStats``); None without an I/W split."""
         return None if self.weight_split is None else self.weight_split.stats.as_dict()
 
+    def held_tensors(self) -> list:
+        """The W queue's tensors (inputs and output gradients of pending weight GEMMs): the
+        executor counts their bytes as held activations (runtime/memory.py)."""
+        return [] if self.weight_split is None else self.weight_split.held_tensors()
+
     def deallocate(self, output) -> None:
         deallocate_output_tensor(output, self.config.deallocate_pipeline_outputs)

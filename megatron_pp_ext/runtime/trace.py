@@ -31,13 +31,15 @@ from typing import Sequence
 from ..analysis.simulate import CostModel, simulate
 from ..ir import Action, Schedule
 from ..timeline import COMM_WAIT, COMPUTE, Event, Timeline
+from .memory import format_bytes_iec
 
 logger = logging.getLogger("megatron_pp_ext")
 
 #: The scalars a traced step reports (tensorboard / wandb tags).
 BUBBLE_TAG = "pipeline/bubble_fraction"
 PREDICTED_BUBBLE_TAG = "pipeline/predicted_bubble_fraction"
-PEAK_TAG = "pipeline/peak_activations"
+PEAK_TAG = "pipeline/peak_activations"  # a count
+PEAK_BYTES_TAG = "pipeline/peak_activation_bytes"
 MAKESPAN_TAG = "pipeline/makespan_s"
 
 
@@ -60,6 +62,7 @@ def rank_payload(result, rank: int) -> dict:
         "rank": rank,
         "events": [(e.label, e.start, e.end, e.category) for e in result.events],
         "peak_activations": int(result.peak_activations),
+        "peak_bytes": getattr(result, "peak_bytes", None),  # runtime/memory.py
         "offset": clock_offset(),
     }
 
@@ -84,7 +87,11 @@ def build_timeline(schedule: Schedule, payloads: Sequence[dict]) -> Timeline:
         e.start -= origin
         e.end -= origin
     peaks = [by_rank[r]["peak_activations"] for r in range(schedule.num_ranks)]
-    return Timeline.of_schedule(schedule, events, peaks, "measured", "s")
+    timeline = Timeline.of_schedule(schedule, events, peaks, "measured", "s")
+    peak_bytes = [by_rank[r].get("peak_bytes") for r in range(schedule.num_ranks)]
+    if any(b is not None for b in peak_bytes):
+        timeline.peak_bytes = peak_bytes
+    return timeline
 
 
 def local_timeline(schedule: Schedule, results: Sequence) -> Timeline:
@@ -211,11 +218,13 @@ def summary_text(measured: Timeline, predicted: Timeline | None = None) -> str:
     makespan = measured.makespan
     rows = measured.per_rank_summary()
     predicted_peaks = list(predicted.peak_activations) if predicted is not None else []
+    with_bytes = any(b is not None for b in measured.peak_bytes)
     lines = [
         f"{measured.schedule} p={measured.num_ranks} m={measured.num_microbatches} "
         f"v={measured.chunks}: {measured.source} step, per rank",
         f"{'rank':>4}  {'busy':>10}  {'comm wait':>10}  {'idle':>10}  {'idle %':>6}  "
-        f"{'peak act.':>9}" + (f"  {'predicted':>9}" if predicted is not None else ""),
+        f"{'peak act.':>9}" + (f"  {'predicted':>9}" if predicted is not None else "")
+        + (f"  {'peak bytes':>10}" if with_bytes else ""),
     ]
     for row in rows:
         r = row["rank"]
@@ -224,7 +233,12 @@ def summary_text(measured: Timeline, predicted: Timeline | None = None) -> str:
                 f"{row['idle']:>9.4g}{unit}  {idle_pct:>5.1f}%  {row['peak_activations']!s:>9}")
         if predicted is not None:
             line += f"  {predicted_peaks[r] if r < len(predicted_peaks) else '-'!s:>9}"
+        if with_bytes:
+            line += f"  {format_bytes_iec(row['peak_bytes']):>10}"
         lines.append(line)
+    if with_bytes:
+        lines.append("peak act.: a count of chunk-activations held (the simulator's unit); "
+                     "peak bytes: measured (saved tensors, W queue, waiting arrivals)")
     bubble = 100 * measured.bubble_fraction
     if predicted is None:
         lines.append(f"makespan {makespan:.4g}{unit}; bubble {bubble:.2f}%")
@@ -246,6 +260,9 @@ def step_metrics(measured: Timeline, predicted: Timeline | None = None) -> dict[
         PEAK_TAG: float(max(measured.peak_activations, default=0)),
         MAKESPAN_TAG: measured.makespan,
     }
+    known = [b for b in measured.peak_bytes if b is not None]
+    if known:
+        metrics[PEAK_BYTES_TAG] = float(max(known))
     if predicted is not None:
         metrics[PREDICTED_BUBBLE_TAG] = predicted.bubble_fraction
     return metrics

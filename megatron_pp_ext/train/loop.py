@@ -27,7 +27,13 @@ import torch.distributed as dist
 from .. import device as device_helper
 from ..integration.plan import plan_text
 from .data import counting_batches
-from .measure import StepMeasurement, costs_per_rank, gather_step, unit_cost_bubble
+from .measure import (
+    StepMeasurement,
+    costs_per_rank,
+    gather_step,
+    memory_summary,
+    unit_cost_bubble,
+)
 from .progress import Progress, format_step
 from .quiet import hide_megatron_warnings
 from .report import write_outputs
@@ -116,7 +122,8 @@ def train_rank(rank: int, world_size: int, settings: TrainSettings, launcher: st
         predicted_bubbles.append(predicted_bubble)
         progress.step(step + 1, format_step(step + 1, settings.steps, loss, step_times[-1],
                                             bubble, predicted_bubble,
-                                            measurement.peak_activations))
+                                            measurement.peak_activations,
+                                            measurement.peak_bytes))
 
     if not talk:
         return None
@@ -143,7 +150,8 @@ def train_rank(rank: int, world_size: int, settings: TrainSettings, launcher: st
         "bubble_measured_per_step": bubbles,
         "bubble_predicted_per_step": predicted_bubbles,
         "bubble_unit_costs": unit_cost_bubble(schedule) if schedule is not None else 0.0,
-        "peak_activations": measurement.peak_activations,
+        "peak_activations": measurement.peak_activations,  # a COUNT per rank
+        **memory_summary(schedule, measurement),
         "makespan_measured_s": measurement.timeline.makespan if measurement.timeline else None,
         "makespan_predicted_s": predicted.makespan if predicted is not None else None,
         "measured_costs_per_rank_s": (costs_per_rank(schedule, measurement.timeline)

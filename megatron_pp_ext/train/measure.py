@@ -21,24 +21,84 @@ from ..timeline import Timeline
 
 @dataclass
 class StepMeasurement:
-    peak_activations: list[int]  # per pipeline rank
+    peak_activations: list[int]  # per pipeline rank: a COUNT of chunk-activations
     timeline: Timeline | None = None  # measured (seconds); None without tracing
     predicted: Timeline | None = None  # the simulator's, under the measured costs
+    # Activation memory in bytes (runtime/memory.py), per pipeline rank (None where not
+    # measured): the peak, its parts, and on a GPU the CUDA allocator's peak of the step
+    peak_bytes: list | None = None
+    peak_bytes_parts: list | None = None
+    device_peak_bytes: list | None = None
+    saved_bytes_per_stage: dict | None = None  # {stage: bytes one F of it saved}
+
+
+def memory_payload(result) -> dict:
+    """What one rank's StepResult says about activation bytes (plain, picklable)."""
+    return {"peak_bytes": getattr(result, "peak_bytes", None),
+            "peak_bytes_parts": getattr(result, "peak_bytes_parts", None),
+            "device_peak_bytes": getattr(result, "device_peak_bytes", None),
+            "saved_bytes_per_stage": getattr(result, "saved_bytes_per_stage", None)}
+
+
+def _with_memory(measurement: StepMeasurement, payloads: list[dict]) -> StepMeasurement:
+    measurement.peak_bytes = [p["peak_bytes"] for p in payloads]
+    measurement.peak_bytes_parts = [p["peak_bytes_parts"] for p in payloads]
+    measurement.device_peak_bytes = [p["device_peak_bytes"] for p in payloads]
+    stages: dict = {}
+    for p in payloads:
+        stages.update(p["saved_bytes_per_stage"] or {})
+    measurement.saved_bytes_per_stage = dict(sorted(stages.items())) or None
+    if measurement.timeline is not None and not measurement.timeline.peak_bytes:
+        measurement.timeline.peak_bytes = list(measurement.peak_bytes)
+    return measurement
 
 
 def gather_step(state, pp_group, trace: bool) -> StepMeasurement | None:
     """Every pipeline rank calls it after each step (a collective without tracing); returns
     the measurement on pipeline rank 0, None elsewhere."""
+    memory: list = [None] * pp_group.size()
+    mine = dict(memory_payload(state.last_step),
+                peak_activations=int(state.last_step.peak_activations))
+    dist.all_gather_object(memory, mine, group=pp_group)
+    if pp_group.rank() != 0:
+        return None
     if trace:
-        if pp_group.rank() != 0:
-            return None
         measured, predicted = state.last_timeline, state.last_predicted
         if predicted is None:
             predicted = tracing.predicted_timeline(measured, state.last_schedule)
-        return StepMeasurement(list(measured.peak_activations), measured, predicted)
-    peaks = [None] * pp_group.size()
-    dist.all_gather_object(peaks, int(state.last_step.peak_activations), group=pp_group)
-    return StepMeasurement(peaks) if pp_group.rank() == 0 else None
+        return _with_memory(StepMeasurement(list(measured.peak_activations), measured,
+                                            predicted), memory)
+    return _with_memory(StepMeasurement([p["peak_activations"] for p in memory]), memory)
+
+
+def memory_summary(schedule: Schedule | None, measurement: StepMeasurement) -> dict:
+    """summary.json's activation-memory fields (bytes, integers; the last step's):
+
+    * ``peak_activation_bytes``: per rank, the measured peak (runtime/memory.py: saved
+      tensors of in-flight microbatches, the W queue, arrivals waiting);
+    * ``peak_activation_bytes_parts``: per rank, that peak split into saved / w_queue /
+      waiting;
+    * ``activation_bytes_per_stage``: per stage, the bytes one F saved (microbatch 0's);
+    * ``peak_activation_bytes_predicted``: per rank, the simulator's count walked with
+      ``activation_bytes_per_stage`` (runtime.memory.predicted_peak_bytes);
+    * ``device_peak_bytes``: per rank, the CUDA allocator's peak over the step (weights,
+      gradients and optimizer state included); null on the CPU."""
+    from ..runtime.memory import predicted_peak_bytes
+
+    peak = measurement.peak_bytes
+    per_stage = measurement.saved_bytes_per_stage
+    stages = ([int(per_stage.get(s, 0)) for s in range(schedule.num_stages)]
+              if per_stage and schedule is not None else None)
+    predicted = (predicted_peak_bytes(schedule, dict(enumerate(stages)))
+                 if stages is not None else None)
+    device = measurement.device_peak_bytes
+    return {
+        "peak_activation_bytes": peak,
+        "peak_activation_bytes_parts": measurement.peak_bytes_parts,
+        "activation_bytes_per_stage": stages,
+        "peak_activation_bytes_predicted": predicted,
+        "device_peak_bytes": device if device and any(d is not None for d in device) else None,
+    }
 
 
 def unit_cost_bubble(schedule: Schedule) -> float:

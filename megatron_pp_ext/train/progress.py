@@ -13,7 +13,10 @@ from typing import TextIO
 
 
 def format_step(step: int, steps: int, loss: float, seconds: float, bubble: float | None,
-                predicted: float | None, peaks: list[int]) -> str:
+                predicted: float | None, peaks: list[int],
+                peak_bytes: list | None = None) -> str:
+    """``peaks``: per rank, the COUNT of chunk-activations held at the peak; ``peak_bytes``:
+    per rank, the measured activation bytes (runtime/memory.py), shown in KiB / MiB / GiB."""
     width = len(str(steps))
     parts = [f"step {step:>{width}}/{steps}", f"loss {loss:7.4f}", f"time {seconds:6.3f} s"]
     if bubble is not None:
@@ -21,7 +24,13 @@ def format_step(step: int, steps: int, loss: float, seconds: float, bubble: floa
         if predicted is not None:
             text += f" (predicted {100 * predicted:4.1f}%)"
         parts.append(text)
-    parts.append(f"peak activations {peaks}")
+    if peak_bytes is not None and any(b is not None for b in peak_bytes):
+        from ..runtime.memory import format_bytes_list
+
+        parts.append(f"peak activations (count) {peaks}")
+        parts.append(f"activation memory {format_bytes_list(peak_bytes)}")
+    else:
+        parts.append(f"peak activations {peaks}")
     return "  ".join(parts)
 
 
