@@ -1,0 +1,78 @@
+"""``train --schedule pipedream|pipedream-2bw``: the tiny Megatron-Core GPT over gloo processes
+through the asynchronous path, and the checks made before any process starts."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_pp_ext.train.settings import TrainSettings
+
+REPO = Path(__file__).resolve().parents[1]
+LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_STEP_ID",
+                "PYTHONWARNINGS")
+
+
+def _train(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
+    return subprocess.run([sys.executable, "-m", "megatron_pp_ext", "train", *args], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_2bw_and_pipedream_train_the_tiny_gpt(tmp_path):
+    """2BW's first batch runs on the initial weights on every stage, exactly as 1F1B's first
+    step: the same loss. PipeDream stashes p - r versions on rank r; 2BW 2."""
+    runs = {}
+    for name, extra in (("1f1b", ["--steps", "1", "--no-trace"]),
+                        ("pipedream-2bw", ["--steps", "3"]),
+                        ("pipedream", ["--steps", "3"])):
+        out = tmp_path / name
+        proc = _train("--schedule", name, "-p", "2", "-m", "2", "--out", str(out), *extra)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        for words in ("UserWarning", "FutureWarning", "Apex is not installed", "deprecated"):
+            assert words not in proc.stdout + proc.stderr, words
+        runs[name] = (proc, json.loads((out / "summary.json").read_text()))
+    first = runs["1f1b"][1]["losses"][0]
+    for name in ("pipedream-2bw", "pipedream"):
+        proc, summary = runs[name]
+        assert summary["schedule"] == name and summary["steps"] == 3
+        assert len(summary["losses"]) == 3 and len(summary["losses_per_microbatch"]) == 6
+        lines = [l for l in proc.stdout.splitlines() if l.startswith("[") and "loss" in l]
+        assert len(lines) == 3, proc.stdout
+        assert "staleness:" in proc.stdout
+        assert all(b > 0 for b in summary["stashed_weight_bytes_per_rank"])
+    two = runs["pipedream-2bw"][1]
+    assert two["losses"][0] == pytest.approx(first, rel=1e-6)
+    assert two["versions_held_per_rank"] == [2, 2]
+    assert two["updates_per_stage"] == 3
+    pd = runs["pipedream"][1]
+    assert pd["versions_held_per_rank"] == [2, 1]
+    assert pd["updates_per_stage"] == 6
+    # microbatch 0 runs on the initial weights everywhere: 1F1B's first microbatch's loss
+    assert pd["losses_per_microbatch"][0] == pytest.approx(
+        two["losses_per_microbatch"][0], rel=1e-6)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(schedule="pipedream-2bw", pp=4, microbatches=2), r"m=2 .* >= p=4"),
+    (dict(schedule="pipedream-2bw", vertical_sync=True), "PipeDream's option"),
+    (dict(schedule="pipedream", chunks=2), "one model chunk per rank"),
+])
+def test_settings_refuse_before_any_process(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        TrainSettings(**kwargs).check()
+
+
+def test_settings_accept_the_async_names_in_any_case():
+    settings = TrainSettings(schedule="PipeDream", pp=4, microbatches=4, steps=3,
+                             vertical_sync=True)
+    settings.check()
+    assert settings.schedule == "pipedream" and settings.is_async and settings.v == 1
+    schedule = settings.first_step_schedule()
+    assert schedule.num_microbatches == 12
+    assert schedule.options["weight_update"]["vertical_sync"] is True
