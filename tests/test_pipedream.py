@@ -172,3 +172,23 @@ def test_adam_updates_each_stage_with_its_own_parameters():
         (stage,) = work.modules
         state = work.optimizer.state[work.modules[stage].weight]
         assert int(state["step"]) == 3  # one Adam step per batch on this stage
+
+
+# ------------------------------------------------------------------------------ the simulator
+@pytest.mark.parametrize("name", ["pipedream", "pipedream-2bw"])
+def test_simulated_steady_state_has_no_bubble(name):
+    from megatron_pp_ext.analysis.render import render_ascii
+    from megatron_pp_ext.analysis.simulate import CostModel, async_steady_state
+
+    p, m = 4, 8
+    state = async_steady_state(name, p, m, CostModel(t_f=1, t_b=2))
+    assert state.per_microbatch == pytest.approx(3.0) == state.floor  # F + B, nothing idle
+    assert state.flushed_1f1b == pytest.approx(33 / 8)  # (m + p - 1) (F + B) / m
+    assert state.versions_held == ([p - r for r in range(p)] if name == "pipedream"
+                                   else [2] * p)
+    # the drawing is the whole run: 4 batches of 8 microbatches, one fill and one drain
+    assert state.makespan == pytest.approx(3 * (4 * m + p - 1))
+    text = render_ascii(state.timeline)
+    assert "0F31" in text and "3B31" in text
+    slow = async_steady_state(name, p, m, CostModel(t_f=1, t_b=2, t_comm=0.5))
+    assert state.floor < slow.per_microbatch < slow.flushed_1f1b

@@ -211,3 +211,56 @@ def simulate(schedule: Schedule, costs: CostModel | None = None, validate: bool 
     position = execute_in_order(schedule, run)
     explain_blocked(schedule, position)  # raises if some rank could not finish
     return Timeline.of_schedule(schedule, events, peak_activations(schedule), "predicted", "t")
+
+
+# --------------------------------------------------------------------------------------------
+# Asynchronous schedules (pipedream, pipedream-2bw): the steady state without a flush
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class AsyncSteadyState:
+    """What an asynchronous schedule buys over flushed 1F1B, predicted under the same costs.
+
+    ``per_microbatch``: the steady-state time per microbatch, the marginal cost of one more
+    batch ((makespan of ``long`` batches - makespan of ``short``) / the microbatches between),
+    so the fill and the drain at the ends of the run do not count; ``flushed_1f1b``: 1F1B's
+    step makespan / m (it fills and drains every step); ``floor``: the busiest rank's
+    F + B per microbatch, what a pipeline with no idle time needs. ``timeline``: the whole run
+    of ``long`` batches, drawn like any other."""
+
+    name: str
+    per_microbatch: float
+    flushed_1f1b: float
+    floor: float
+    makespan: float
+    timeline: Timeline
+    versions_held: list[int]
+
+
+def async_steady_state(name: str, num_ranks: int, num_microbatches: int,
+                       costs: CostModel | None = None, short: int = 2, long: int = 4,
+                       **options) -> AsyncSteadyState:
+    """Simulate ``name`` (``pipedream`` or ``pipedream-2bw``) over ``short`` and ``long``
+    batches and flushed 1F1B over one step, under the same ``costs`` (full backwards: t_b)."""
+    from ..runtime.weight_versions import plan_versions
+    from ..schedules import build_async_schedule, build_schedule
+
+    if not 1 <= short < long:
+        raise ValueError(f"short={short}, long={long}: need 1 <= short < long")
+    costs = costs or CostModel()
+    runs = {}
+    for steps in (short, long):
+        schedule = build_async_schedule(name, num_ranks, num_microbatches, steps=steps,
+                                        **options)
+        runs[steps] = (schedule, simulate(schedule, costs))
+    schedule, timeline = runs[long]
+    between = (long - short) * num_microbatches
+    per_microbatch = (timeline.makespan - runs[short][1].makespan) / between
+    one = build_schedule("1f1b", num_ranks, num_microbatches)
+    flushed = simulate(one, costs).makespan / num_microbatches
+    cost = costs.per_stage(one)
+    duration = action_durations(cost)
+    floor = max(duration[FORWARD][s] + duration[BACKWARD][s] for s in range(one.num_stages))
+    return AsyncSteadyState(name, per_microbatch, flushed, floor, timeline.makespan, timeline,
+                            plan_versions(schedule).max_held)
