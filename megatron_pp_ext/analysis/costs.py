@@ -57,6 +57,12 @@ class MeasuredCosts:
     t_w: list[float] | None = None
     t_comm: float | None = None  # message latency, seconds; None when not measured
     t_comm_from: str | None = None  # where t_comm was measured
+    # Activation memory (bytes), from a train summary.json (runtime/memory.py): per rank, what
+    # one microbatch's F leaves saved on all of the rank's layers (its stages' one-F bytes
+    # summed: v=1 units, what the selector's activation_bytes means), and the run's measured
+    # peak per rank; None when the file does not say.
+    activation_bytes: list[int] | None = None
+    peak_activation_bytes: list[int] | None = None
 
     @property
     def split(self) -> bool:
@@ -217,6 +223,12 @@ def _from_summary(path: str, data: dict) -> MeasuredCosts:
                           num_microbatches=data.get("microbatches"), chunks=data.get("chunks"),
                           t_f=list(measured["t_f"]), t_b=measured.get("t_b"),
                           t_i=measured.get("t_i"), t_w=measured.get("t_w"))
+    per_stage = data.get("activation_bytes_per_stage")
+    if per_stage:
+        costs.activation_bytes = activation_bytes_per_rank(
+            per_stage, p, int(data.get("chunks") or 1), data.get("layout") or "loop")
+    if data.get("peak_activation_bytes") and None not in data["peak_activation_bytes"]:
+        costs.peak_activation_bytes = [int(b) for b in data["peak_activation_bytes"]]
     _check_kinds(path, costs)
     trace = Path(path).with_name("trace.json")
     if trace.exists():
@@ -226,6 +238,20 @@ def _from_summary(path: str, data: dict) -> MeasuredCosts:
         except (ValueError, OSError):
             pass  # a stale or foreign trace: t_comm stays unmeasured, and says so
     return costs
+
+
+def activation_bytes_per_rank(per_stage: list, num_ranks: int, chunks: int,
+                              layout: str = "loop") -> list[int]:
+    """Per rank, one microbatch's activation bytes over all of the rank's layers (v=1 units)
+    from one F's bytes per stage: a rank's stages are r, r + p, ... (loop layout) or r and
+    2p - 1 - r (the V layout)."""
+    p = num_ranks
+    if len(per_stage) != p * chunks:
+        raise ValueError(f"activation_bytes_per_stage has {len(per_stage)} stages, not "
+                         f"p x v = {p} x {chunks}")
+    if chunks > 1 and str(layout).lower() == "v":
+        return [int(per_stage[r]) + int(per_stage[2 * p - 1 - r]) for r in range(p)]
+    return [sum(int(per_stage[r + k * p]) for k in range(chunks)) for r in range(p)]
 
 
 def _check_kinds(path: str, costs: MeasuredCosts) -> None:

@@ -33,7 +33,13 @@ chunk-activations (``validate.activation_trace``: an activation lives from the e
 the end of its B, or of its W under a split backward -- conservative, as the I already frees
 part of it) times ``activation_bytes / v``: in v=1 units (one microbatch through all of a
 rank's layers) that count divided by v. A candidate fits when the largest peak over the ranks
-is within the budget.
+is within the budget. ``activation_bytes`` may be one number per rank (the first and last
+ranks hold the embedding and the output layer): measured, it is what ``train`` writes to
+summary.json (``activation_bytes_per_stage``, one F's saved tensors per stage, summed over a
+rank's stages by ``analysis.costs``), and each rank's peak is its count times its own bytes.
+
+Bytes in, bytes out: ``parse_size("2GiB")`` reads a size with a unit (B, KB/MB/GB: powers
+of 1000; KiB/MiB/GiB: powers of 1024; a bare number is bytes).
 
 What is ranked
 --------------
@@ -61,6 +67,26 @@ from .simulate import RANK, CostModel, simulate
 
 MiB = 1024 * 1024
 
+_UNITS = {"": 1, "b": 1, "kb": 1000, "mb": 1000 ** 2, "gb": 1000 ** 3, "tb": 1000 ** 4,
+          "kib": 1024, "mib": 1024 ** 2, "gib": 1024 ** 3, "tib": 1024 ** 4,
+          "k": 1024, "m": 1024 ** 2, "g": 1024 ** 3, "t": 1024 ** 4}
+
+
+def parse_size(text) -> float:
+    """Bytes from ``"2GiB"``, ``"512 MiB"``, ``"1.5GB"``, ``"3000000"`` (bytes); K/M/G alone
+    are binary (KiB/MiB/GiB), as PyTorch and SLURM read them."""
+    import re
+
+    if isinstance(text, (int, float)):
+        return float(text)
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*",
+                         str(text))
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise ValueError(f"{text!r} is not a size: give bytes with a unit, e.g. 2GiB, 512MiB, "
+                         "1.5GB, 3000000 (bytes)")
+    return float(match.group(1)) * _UNITS[unit]
+
 
 class Ranked(NamedTuple):
     name: str
@@ -83,13 +109,19 @@ class Selection:
     num_ranks: int
     num_microbatches: int
     costs: CostModel
-    activation_bytes: float
+    activation_bytes: float | list  # v=1 units: one number, or one per rank
     memory_budget_bytes: float
     #: per candidate (name, v) that was simulated: peak chunk-activations per rank (a chunk
     #: holds 1/v of a rank's layers; ``activations_in_v1_units`` converts)
     peak_activations: dict[tuple[str, int], list[int]] = field(default_factory=dict)
     #: per candidate (name, v) that was simulated: its predicted timeline
     timelines: dict[tuple[str, int], Timeline] = field(default_factory=dict, repr=False)
+
+    def peak_bytes_per_rank(self, name: str, chunks: int) -> list[float]:
+        """The candidate's predicted peak activation bytes on each rank."""
+        counts = self.peak_activations[(name, chunks)]
+        return [counts[r] * _per_rank(self.activation_bytes, r) / chunks
+                for r in range(len(counts))]
 
     def peak_activations_v1(self, name: str, chunks: int) -> list:
         """The candidate's peak per rank in v=1 units (one microbatch, all of a rank's
@@ -113,11 +145,19 @@ class Selection:
                                "activations of 1/v of that",
             "ranked": [
                 {**r._asdict(), "peak_activations": self.peak_activations_v1(r.name, r.chunks),
-                 "peak_chunk_activations": self.peak_activations[(r.name, r.chunks)]}
+                 "peak_chunk_activations": self.peak_activations[(r.name, r.chunks)],
+                 "peak_bytes_per_rank": [int(round(b)) for b in
+                                         self.peak_bytes_per_rank(r.name, r.chunks)]}
                 for r in self.ranked
             ],
             "excluded": [e._asdict() for e in self.excluded],
         }
+
+
+def _per_rank(activation_bytes, rank: int) -> float:
+    if isinstance(activation_bytes, (int, float)):
+        return float(activation_bytes)
+    return float(activation_bytes[rank])
 
 
 def format_bytes(value: float) -> str:
@@ -150,8 +190,12 @@ def _check_inputs(num_ranks, num_microbatches, activation_bytes, memory_budget_b
         raise ValueError(f"num_ranks={num_ranks!r} must be an integer >= 1")
     if not isinstance(num_microbatches, int) or num_microbatches < 1:
         raise ValueError(f"num_microbatches={num_microbatches!r} must be an integer >= 1")
-    if not activation_bytes >= 0:
-        raise ValueError(f"activation_bytes={activation_bytes!r} must be >= 0")
+    if isinstance(activation_bytes, (int, float)):
+        if not activation_bytes >= 0:
+            raise ValueError(f"activation_bytes={activation_bytes!r} must be >= 0")
+    elif len(activation_bytes) != num_ranks or not all(b >= 0 for b in activation_bytes):
+        raise ValueError(f"activation_bytes={list(activation_bytes)!r}: give one number, or "
+                         f"one number >= 0 per rank ({num_ranks})")
     if not memory_budget_bytes > 0:
         raise ValueError(f"memory_budget_bytes={memory_budget_bytes!r} must be > 0")
     bad = [v for v in chunks_options if not isinstance(v, int) or v < 2]
@@ -161,7 +205,7 @@ def _check_inputs(num_ranks, num_microbatches, activation_bytes, memory_budget_b
 
 
 def select_schedules(num_ranks: int, num_microbatches: int, costs: CostModel,
-                     activation_bytes: float, memory_budget_bytes: float,
+                     activation_bytes, memory_budget_bytes: float,
                      candidates: Iterable | None = None,
                      chunks_options: Sequence[int] = (2, 3, 4),
                      options: dict | None = None) -> Selection:
@@ -205,14 +249,16 @@ def select_schedules(num_ranks: int, num_microbatches: int, costs: CostModel,
         except ScheduleError as exc:
             excluded.append(Excluded(name, v, " ".join(str(exc).split())))
             continue
-        per_chunk = activation_bytes / v
         counts = list(timeline.peak_activations)
         peaks[(name, v)] = counts
         timelines[(name, v)] = timeline
-        worst = max(range(num_ranks), key=lambda r: (counts[r], -r))
-        peak_bytes = counts[worst] * per_chunk
+        per_rank = [counts[r] * _per_rank(activation_bytes, r) / v for r in range(num_ranks)]
+        worst = max(range(num_ranks), key=lambda r: (per_rank[r], -r))
+        peak_bytes = per_rank[worst]
+        per_chunk = _per_rank(activation_bytes, worst) / v
         if peak_bytes > memory_budget_bytes:
-            what = "" if v == 1 else f" chunk-activations (1/{v} of {format_bytes(activation_bytes)})"
+            what = "" if v == 1 else (f" chunk-activations (1/{v} of "
+                                      f"{format_bytes(_per_rank(activation_bytes, worst))})")
             excluded.append(Excluded(name, v, (
                 f"peak {counts[worst]} x {format_bytes(per_chunk)}{what} = "
                 f"{format_bytes(peak_bytes)} on rank {worst} exceeds the "
