@@ -7,7 +7,7 @@ where you would use pretrain_gpt.py; every pretrain_gpt.py argument works, plus 
     export PYTHONPATH=/path/to/Megatron-LM:$PYTHONPATH    # and megatron_pp_ext installed
     torchrun --nproc-per-node 8 scripts/pretrain_gpt_pp.py <pretrain_gpt.py args> \\
         --pipeline-model-parallel-size 4 --pipeline-schedule zb-h1 [--pp-max-pending-backward N]
-        [--pp-p2p-timeout-s S] [--pp-trace] [--pp-schedule-chunks V]
+        [--pp-p2p-timeout-s S] [--pp-trace] [--pp-schedule-chunks V] [--pp-post-validate]
 
     --pipeline-schedule interleaved   also needs --num-virtual-stages-per-pipeline-rank V (V >= 2)
     --pipeline-schedule zb-v|dualpipev also needs --num-virtual-stages-per-pipeline-rank 2 and
@@ -20,6 +20,12 @@ where you would use pretrain_gpt.py; every pretrain_gpt.py argument works, plus 
                                        v stages per rank in the loop layout need
                                        --num-virtual-stages-per-pipeline-rank v (v >= 2), in
                                        the V layout as zb-v (V chunks built as for zb-v)
+
+    --pp-post-validate                 wraps the optimizer pretrain() builds in
+                                       megatron_pp_ext's PostValidatedOptimizer: each rank steps
+                                       before the global grad norm / found-inf arrive and rolls
+                                       back exactly when they say otherwise (bit-identical to
+                                       Megatron's step; docs/choosing-a-schedule.md for its cost)
 
 Names are case-insensitive, and PyTorch's names for the same schedules work (Interleaved1F1B,
 ZBVZeroBubble, DualPipeV, ...).

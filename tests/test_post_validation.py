@@ -83,3 +83,76 @@ def test_refusals():
 
     with pytest.raises(ValueError, match="FP32Optimizer, Float16Optimizer"):
         PostValidatedOptimizer(object())
+
+
+# ------------------------------------------------------------------ Megatron-LM's real loop
+def test_pretrain_flag_bit_identical_to_megatron_step():
+    """``--pp-post-validate`` in ``megatron.training.pretrain`` (4 processes, pp=2 x dp=2,
+    --bf16 --use-distributed-optimizer --clip-grad 1.0 --overlap-grad-reduce, 5 iterations):
+    the optimizer the loop builds is post-validated, clipping triggers on some steps and not
+    on others (so both the kept and the redone path run), and losses and grad norms are
+    Megatron's own, bit for bit (the plugin's 1f1b runs Megatron's order)."""
+    from support.megatron_loop import merge_history, pretrain_argv, run_pretrain
+    from support.post_validation_pretrain import run_pretrain_reporting_post_validation
+
+    iters = 5
+    reference = merge_history(spawn(4, run_pretrain, pretrain_argv(pp=2, dp=2, iters=iters),
+                                    timeout_s=TIMEOUT))
+    argv = pretrain_argv(pp=2, dp=2, schedule="1f1b", iters=iters,
+                         extra=["--pp-post-validate"])
+    results = spawn(4, run_pretrain_reporting_post_validation, argv, timeout_s=TIMEOUT)
+    out = merge_history(results)
+    assert out["lm loss"] == reference["lm loss"]
+    assert out["grad_norm"] == reference["grad_norm"]
+    assert out["skipped"] == reference["skipped"] == [0] * iters
+    for r in results:
+        assert len(r["post_validated"]) == 1  # one optimizer per rank, wrapped
+        outcomes = r["post_validated"][0]
+        assert len(outcomes) == iters
+        clipped = [o["clipped"] for o in outcomes]
+        assert clipped == [norm > 1.0 for norm in reference["grad_norm"]]
+        assert all(o["redone"] == o["clipped"] == o["rolled_back"] for o in outcomes)
+    assert any(norm > 1.0 for norm in reference["grad_norm"])
+    assert any(norm <= 1.0 for norm in reference["grad_norm"])
+
+
+# ------------------------------------------------------------------ install() and the flag
+def test_install_option_wraps_megatron_training_optimizer_factory():
+    import megatron.core.optimizer as megatron_optimizer
+    from megatron.training import training
+
+    import megatron_pp_ext
+    from megatron_pp_ext.integration.install import current_installation
+
+    original = megatron_optimizer.get_megatron_optimizer
+    assert training.get_megatron_optimizer is original
+    try:
+        megatron_pp_ext.install(schedule="1f1b", post_validate=True)
+        assert current_installation().options.post_validate
+        assert getattr(training.get_megatron_optimizer, "post_validated", False)
+        assert megatron_optimizer.get_megatron_optimizer is original  # the library's own name
+        megatron_pp_ext.install(schedule="1f1b")  # installing again without it: put back
+        assert training.get_megatron_optimizer is original
+        megatron_pp_ext.install(schedule="zb-h2", post_validate=True)
+        assert getattr(training.get_megatron_optimizer, "post_validated", False)
+    finally:
+        megatron_pp_ext.uninstall()
+    assert training.get_megatron_optimizer is original
+
+
+def test_megatron_lm_flag():
+    import argparse
+
+    from megatron_pp_ext.integration import megatron_args
+
+    parser = megatron_args.add_pipeline_schedule_args(argparse.ArgumentParser())
+    args = parser.parse_args(["--pipeline-schedule", "zb-h2", "--pp-post-validate"])
+    args.pipeline_model_parallel_size = 4
+    assert megatron_args.schedule_options_from_args(args)["post_validate"] is True
+    args = parser.parse_args(["--pipeline-schedule", "zb-h2"])
+    args.pipeline_model_parallel_size = 4
+    assert "post_validate" not in megatron_args.schedule_options_from_args(args)
+    args = parser.parse_args(["--pp-post-validate"])
+    args.pipeline_schedule = None
+    with pytest.raises(ValueError, match="add --pipeline-schedule"):
+        megatron_args.schedule_options_from_args(args)

@@ -13,6 +13,11 @@ Everything one installation changes or remembers lives on the ``Installation`` t
 attributes it replaced, which ``uninstall()`` puts back. The only process-wide patch of the
 split-backward schedules (Megatron's linear-layer backward) is entered and left by each step
 itself (``runtime.wgrad.deferring_linear_backward``), so none outlives a step.
+
+With ``post_validate=True`` the installation also replaces ``get_megatron_optimizer`` where
+``megatron.training`` bound it, so the optimizer ``setup_model_and_optimizer`` builds comes back
+wrapped in ``post_validation.PostValidatedOptimizer``; ``uninstall()`` (or installing again
+without it) puts the factory back.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ class Installation:
         self.function = ScheduleFunction(None)
         self.function.set_options(options)
         self.replaced: list[tuple[object, str, object]] = []  # (module, attribute, original)
+        self.optimizer_factory_replaced: list[tuple[object, str, object]] = []
 
     @property
     def options(self) -> PipelineOptions:
@@ -61,9 +67,42 @@ class Installation:
                     self.replaced.append((module, name, value))
                     setattr(module, name, self.function)
 
+    def patch_optimizer_factory(self, on: bool) -> None:
+        """Wrap (on) or stop wrapping (off) what Megatron's ``get_megatron_optimizer`` returns,
+        wherever a ``megatron`` module bound it, in a ``PostValidatedOptimizer``."""
+        if not on:
+            while self.optimizer_factory_replaced:
+                module, name, original = self.optimizer_factory_replaced.pop()
+                setattr(module, name, original)
+            return
+        if self.optimizer_factory_replaced:
+            return
+        import functools
+
+        from megatron.core import optimizer as megatron_optimizer
+
+        from .post_validation import post_validated
+
+        original = megatron_optimizer.get_megatron_optimizer
+
+        @functools.wraps(original)
+        def get_megatron_optimizer(*args, **kwargs):
+            return post_validated(original(*args, **kwargs))
+
+        get_megatron_optimizer.post_validated = True
+        for module_name, module in list(sys.modules.items()):
+            if module is None or not module_name.startswith("megatron") or \
+                    module is megatron_optimizer:
+                continue
+            for name, value in list(vars(module).items()):
+                if value is original:
+                    self.optimizer_factory_replaced.append((module, name, value))
+                    setattr(module, name, get_megatron_optimizer)
+
     def uninstall(self) -> None:
         """Put every replaced name back; this installation is then inactive."""
         global _current
+        self.patch_optimizer_factory(False)
         while self.replaced:
             module, name, original = self.replaced.pop()
             setattr(module, name, original)
@@ -86,15 +125,19 @@ def install(schedule: str | None = None, **options) -> Installation:
     loop or V layout, NCCL's rules), before anything is patched; each step then checks that
     its pipeline size, microbatch count and model chunks are the file's. Options: chunks,
     max_pending_backward, microbatch_group_size_per_vp_stage, p2p_timeout_s,
-    first_step_timeout_s, trace. Installing again switches the active installation to the
-    new options (a change starts afresh) and returns it."""
+    first_step_timeout_s, trace, post_validate (wrap the optimizer ``megatron.training``
+    builds in ``post_validation.PostValidatedOptimizer``; import ``megatron.training`` before
+    installing). Installing again switches the active installation to the new options (a
+    change starts afresh) and returns it."""
     global _current
     active = PipelineOptions.from_kwargs(schedule, **options)  # bad input: nothing patched
     if _current is not None:
         _current.function.set_options(active)
+        _current.patch_optimizer_factory(active.post_validate)
         return _current
     installation = Installation(active)
     installation.patch_megatron()
+    installation.patch_optimizer_factory(active.post_validate)
     _current = installation
     return installation
 

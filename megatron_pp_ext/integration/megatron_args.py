@@ -130,6 +130,14 @@ def add_pipeline_schedule_args(parser: argparse.ArgumentParser) -> argparse.Argu
         help="Seconds a pipeline send/recv may wait before it fails naming rank, peer and action.",
     )
     group.add_argument(
+        "--pp-post-validate", action="store_true",
+        help="Post-validated optimizer step (Zero Bubble, section 4): each rank steps its "
+        "optimizer before the global grad norm and found-inf reductions complete and rolls "
+        "the step back exactly (and redoes it clipped, or skips it) when they say otherwise. "
+        "Bit-identical to Megatron's step; costs a copy of the main parameters, the optimizer "
+        "state and the model parameters per rank. Needs --pipeline-schedule.",
+    )
+    group.add_argument(
         "--pp-trace", action="store_true",
         help="Record the measured timeline of every step (start/end of each action per rank).",
     )
@@ -155,6 +163,10 @@ def schedule_options_from_args(args: Any) -> dict | None:
     arguments, or None when no schedule is asked for. Raises ValueError naming the fix."""
     name = getattr(args, "pipeline_schedule", None)
     if not name:
+        if getattr(args, "pp_post_validate", False):
+            raise ValueError(
+                "--pp-post-validate is a megatron-pp-ext option: add --pipeline-schedule NAME "
+                "(1f1b runs Megatron's 1F1B order bit for bit) or drop --pp-post-validate")
         return None
     try:  # e.g. a typo in $MEGATRON_PP_SCHEDULE set after the arguments were parsed
         name = resolve_schedule_value(name)
@@ -166,8 +178,9 @@ def schedule_options_from_args(args: Any) -> dict | None:
         return _file_options_from_args(name, args)
 
     if name == AUTO:  # the candidates follow from how Megatron chunks the model
-        return dict(schedule=AUTO, p2p_timeout_s=getattr(args, "pp_p2p_timeout_s", None),
-                    trace=bool(getattr(args, "pp_trace", False)))
+        return _with_post_validation(
+            dict(schedule=AUTO, p2p_timeout_s=getattr(args, "pp_p2p_timeout_s", None),
+                 trace=bool(getattr(args, "pp_trace", False))), args)
     spec = REGISTRY[name]
     pp = getattr(args, "pipeline_model_parallel_size", 1) or 1
     built = _model_chunks(args)
@@ -214,14 +227,21 @@ def schedule_options_from_args(args: Any) -> dict | None:
             f"{getattr(args, 'virtual_pipeline_model_parallel_size', None)}): {how}"
         )
 
-    return dict(
+    return _with_post_validation(dict(
         schedule=name,
         chunks=need if need > 1 else asked,
         max_pending_backward=pending,
         microbatch_group_size_per_vp_stage=getattr(args, "microbatch_group_size_per_vp_stage", None),
         p2p_timeout_s=getattr(args, "pp_p2p_timeout_s", None),
         trace=bool(getattr(args, "pp_trace", False)),
-    )
+    ), args)
+
+
+def _with_post_validation(options: dict, args: Any) -> dict:
+    """``options`` plus ``post_validate=True`` when --pp-post-validate is given."""
+    if getattr(args, "pp_post_validate", False):
+        options["post_validate"] = True
+    return options
 
 
 def _file_options_from_args(path: str, args: Any) -> dict:
@@ -279,8 +299,9 @@ def _file_options_from_args(path: str, args: Any) -> dict:
                 f"data-parallel size {dp}) is {steps_m} microbatches per step: set "
                 f"--global-batch-size {m * micro_batch * dp}, or write the schedule for "
                 f"m={steps_m}")
-    return dict(schedule=path, chunks=asked, p2p_timeout_s=getattr(args, "pp_p2p_timeout_s", None),
-                trace=bool(getattr(args, "pp_trace", False)))
+    return _with_post_validation(
+        dict(schedule=path, chunks=asked, p2p_timeout_s=getattr(args, "pp_p2p_timeout_s", None),
+             trace=bool(getattr(args, "pp_trace", False))), args)
 
 
 def install_from_args(args: Any) -> bool:

@@ -37,6 +37,10 @@ class PipelineOptions:
     auto_activation_bytes: float | None = None
     #: a schedule file's text (``schedule`` is then its path); read from the file when None
     schedule_text: str | None = None
+    #: wrap the optimizer Megatron-LM builds (``get_megatron_optimizer``) in a
+    #: ``post_validation.PostValidatedOptimizer``: each rank steps before the global grad norm
+    #: and found-inf arrive, and rolls back exactly when they say otherwise
+    post_validate: bool = False
 
     def __post_init__(self):
         from ..schedules import canonical_name, is_schedule_file
