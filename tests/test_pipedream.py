@@ -62,6 +62,15 @@ def test_async_schedules_are_opt_in():
             build_schedule(name, 4, 8)
 
 
+def test_the_drop_in_refuses_them_with_the_supported_way():
+    from megatron_pp_ext.integration.options import PipelineOptions
+
+    for name in ("pipedream", "PipeDream-2BW"):
+        with pytest.raises(ScheduleError, match=r"flushes every step.*AsyncPipeline.*train "
+                           r"--schedule pipedream"):
+            PipelineOptions(schedule=name)
+
+
 def test_2bw_needs_m_at_least_p():
     with pytest.raises(ScheduleError, match=r"m=3 .* >= p=4"):
         build_async_schedule("pipedream-2bw", 4, 3)
