@@ -11,10 +11,15 @@ Which schedules can be chosen depends on the model, which is built for one layou
 per rank -> gpipe, 1f1b, zb-h1, zb-h2; V layout (rank 0 holds the first and the last stage)
 -> zb-v, dualpipev; v chunks in Megatron's loop layout -> interleaved only (nothing to choose).
 
-Memory: on GPUs the budget is the free device memory after the measuring step plus what the
-measured activations occupied, and one microbatch's activation is the measured peak growth
-over the step divided by the measured peak count; on the CPU there is no budget unless given
-(``auto_memory_budget_bytes`` / ``auto_activation_bytes`` in ``install``).
+Memory, in bytes: one microbatch's activation on each rank is MEASURED in the measuring step
+(``runtime/memory.py``: the bytes of the tensors autograd saved in one F of each of the
+rank's stages, summed: v=1 units), on the CPU and on GPUs alike; each candidate's peak on a
+rank is its simulated count times that rank's bytes (``analysis.select``). The budget per
+rank is ``auto_memory_budget_bytes`` when given (``install``), else on GPUs the free device
+memory after the measuring step; on the CPU there is no budget unless given.
+``auto_activation_bytes`` overrides the measured activation; where nothing was measured (a
+work without saved-tensor accounting) the GPU's peak growth over the step divided by the
+peak count stands in.
 """
 
 from __future__ import annotations
@@ -36,6 +41,14 @@ CANDIDATES = {"one-chunk": ("gpipe", "1f1b", "zb-h1", "zb-h2"), "v": ("zb-v", "d
               "loop": ("interleaved",)}
 MEASURE_WITH = {"one-chunk": ("1f1b", {"split_backward": True}), "v": ("zb-v", {}),
                 "loop": ("interleaved", {})}
+
+
+def measured_activation_bytes(result) -> int | None:
+    """One microbatch's activation bytes on this rank, v=1 units: the bytes one F saved on
+    each of the rank's stages, summed (``StepResult.saved_bytes_per_stage``); None where not
+    measured."""
+    per_stage = getattr(result, "saved_bytes_per_stage", None)
+    return int(sum(per_stage.values())) if per_stage else None
 
 
 def model_layout(model_chunks, pp_group) -> str:
@@ -122,12 +135,15 @@ class AutoSchedule:
             return None
         mine = stage_costs(result.events, schedule)
         gathered: list = [None] * dist.get_world_size(pp_group)
-        dist.all_gather_object(gathered, (mine, memory), group=pp_group)
-        costs_by_stage = {s: c for part, _mem in gathered for s, c in part.items()}
+        dist.all_gather_object(gathered, (mine, memory, measured_activation_bytes(result)),
+                               group=pp_group)
+        costs_by_stage = {s: c for part, _mem, _act in gathered for s, c in part.items()}
+        self.measured_activation = [act for _c, _m, act in gathered]
         choice = [None]
         if dist.get_rank(pp_group) == 0:
             try:
-                choice[0] = self._choose(costs_by_stage, schedule, [m for _c, m in gathered])
+                choice[0] = self._choose(costs_by_stage, schedule,
+                                         [m for _c, m, _act in gathered])
             except ValueError as exc:  # every rank raises it, none waits for a choice
                 choice[0] = str(exc)
         dist.broadcast_object_list(choice, group=pp_group, group_src=0)
@@ -158,15 +174,23 @@ class AutoSchedule:
         excluded = "; ".join(f"{e.name} excluded: {e.reason}" for e in selection.excluded)
         budget_text = "no memory budget" if budget == float("inf") else \
             f"budget {format_bytes(budget)} per rank"
+        if isinstance(activation, list):
+            budget_text += (", measured activation per microbatch ["
+                            + ", ".join(format_bytes(b) for b in activation) + "] per rank")
+        elif activation != 1.0:
+            budget_text += f", activation per microbatch {format_bytes(activation)} per rank"
         reason = (f"chose {best.name}: predicted step {best.makespan * 1e3:.1f} ms vs "
                   f"{baseline_name} {baseline * 1e3:.1f} ms ({gain:+.0%} faster) from measured "
                   f"costs [{per_rank}], {budget_text}"
                   + (f"; {excluded}" if excluded else ""))
         return AutoChoice(best.name, reason, predicted)
 
-    def _memory(self, memories, schedule: Schedule) -> tuple[float, float]:
+    def _memory(self, memories, schedule: Schedule) -> tuple[float, float | list]:
         budget = self.memory_budget_bytes
         activation = self.activation_bytes
+        measured = getattr(self, "measured_activation", None) or []
+        if activation is None and measured and all(b for b in measured):
+            activation = [float(b) for b in measured]  # per rank, v=1 units
         known = [m for m in memories if m is not None]
         if known and (budget is None or activation is None):
             # m = (free bytes, bytes one microbatch's activation took on that rank)
