@@ -309,5 +309,25 @@ def _figure(cfg: Config, rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def plot_loss_curves(summaries: dict[str, str], path: str) -> None:
+    """The per-step losses of ``train`` runs (label -> its summary.json) in one figure."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for label, summary in summaries.items():
+        losses = json.loads(Path(summary).read_text())["losses"]
+        ax.plot(range(1, len(losses) + 1), losses, label=label)
+    ax.set_xlabel("step (optimizer batch of m microbatches)")
+    ax.set_ylabel("loss (mean over the batch)")
+    ax.set_title("tiny Megatron-Core GPT, p=4, m=8, Adam lr 3e-3, the same data")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -48,6 +48,12 @@ def test_2bw_and_pipedream_train_the_tiny_gpt(tmp_path):
         assert all(b > 0 for b in summary["stashed_weight_bytes_per_rank"])
     two = runs["pipedream-2bw"][1]
     assert two["losses"][0] == pytest.approx(first, rel=1e-6)
+    # and every batch's loss equals the 2BW rule's on one process (pp = 1, same weights)
+    from megatron_pp_ext.train.processes import spawn
+    from support.pipedream_gpt import reference_2bw_losses
+
+    (want,) = spawn(1, reference_2bw_losses, 3, 2, timeout_s=120)
+    assert two["losses"] == pytest.approx(want, rel=1e-5)
     assert two["versions_held_per_rank"] == [2, 2]
     assert two["updates_per_stage"] == 3
     pd = runs["pipedream"][1]
