@@ -8,7 +8,9 @@
     fake Megatron model), calibrated on one run and judged on another, (b) the tiny real
     GPTModel: plugin 1f1b vs Megatron's 1F1B over several fresh runs, (c) executor overhead per
     action, (d) validator and simulator at p=64, m=512, (e) every schedule over the in-memory
-    NCCL-rules fabric against the simulator's NCCL model.
+    NCCL-rules fabric against the simulator's NCCL model, (f) the tiny GPT's activation memory
+    in bytes at p=4, m=8 for every schedule, measured beside the simulator's count in bytes
+    calibrated by a separate run.
 Every figure is a median with its min-max over the repeated runs; every ratio is taken between
 runs of the same process tree, round by round. Every part records the commit, UTC time and
 command that produced it. See bench/README.md.
@@ -31,6 +33,7 @@ from bench import (  # noqa: E402
     calibration,
     emulated_device,
     executor_overhead,
+    memory_bytes,
     nccl_fabric,
     provenance,
     real_gpt,
@@ -55,7 +58,7 @@ def parse_args(argv=None):
                         "(default 3)")
     parser.add_argument("--gpt-runs", type=int, help="(b) fresh process trees (default 5; "
                         "--quick: 3)")
-    parser.add_argument("--only", default="abcde", help="which parts to run, e.g. 'ab'")
+    parser.add_argument("--only", default="abcdef", help="which parts to run, e.g. 'ab'")
     parser.add_argument("--niceness", type=int, default=-20,
                         help="renice the emulated-device ranks (sleep-bound; 0: leave alone)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
@@ -73,7 +76,7 @@ def main(argv=None) -> int:
         return 0
     parts = {"a": ("emulated", run_emulated), "b": ("real_gpt", run_real_gpt),
              "c": ("overhead", run_overhead), "d": ("analysis", run_analysis),
-             "e": ("nccl_fabric", run_nccl_fabric)}
+             "e": ("nccl_fabric", run_nccl_fabric), "f": ("memory_bytes", run_memory_bytes)}
     for letter, (key, runner) in parts.items():
         if letter in args.only:
             # taken per part: the tree may change under a long run (others edit it too)
@@ -163,6 +166,13 @@ def run_nccl_fabric(args) -> dict:
     print(f"(e) NCCL-rules fabric: judged p={p} m={ms} ...", flush=True)
     return {"p": p, "ms": list(ms), "reps": reps, "calibration": cal,
             "rows": nccl_fabric.run(p, ms, T, reps, cal)}
+
+
+def run_memory_bytes(args) -> dict:
+    """p=4, m=8: every schedule's measured peak activation bytes per rank, beside the
+    simulator's count in bytes from a separate calibration run per layout (m=p)."""
+    print("(f) activation bytes of the tiny GPT, p=4, m=8 ...", flush=True)
+    return memory_bytes.run(p=4, m=8, steps=2)
 
 
 if __name__ == "__main__":

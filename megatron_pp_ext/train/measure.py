@@ -30,6 +30,7 @@ class StepMeasurement:
     peak_bytes_parts: list | None = None
     device_peak_bytes: list | None = None
     saved_bytes_per_stage: dict | None = None  # {stage: bytes one F of it saved}
+    weight_grads: list | None = None  # per rank: the I/W split's GEMM counts (or None)
 
 
 def memory_payload(result) -> dict:
@@ -37,13 +38,15 @@ def memory_payload(result) -> dict:
     return {"peak_bytes": getattr(result, "peak_bytes", None),
             "peak_bytes_parts": getattr(result, "peak_bytes_parts", None),
             "device_peak_bytes": getattr(result, "device_peak_bytes", None),
-            "saved_bytes_per_stage": getattr(result, "saved_bytes_per_stage", None)}
+            "saved_bytes_per_stage": getattr(result, "saved_bytes_per_stage", None),
+            "weight_grads": getattr(result, "weight_grads", None)}
 
 
 def _with_memory(measurement: StepMeasurement, payloads: list[dict]) -> StepMeasurement:
     measurement.peak_bytes = [p["peak_bytes"] for p in payloads]
     measurement.peak_bytes_parts = [p["peak_bytes_parts"] for p in payloads]
     measurement.device_peak_bytes = [p["device_peak_bytes"] for p in payloads]
+    measurement.weight_grads = [p.get("weight_grads") for p in payloads]
     stages: dict = {}
     for p in payloads:
         stages.update(p["saved_bytes_per_stage"] or {})
@@ -82,7 +85,9 @@ def memory_summary(schedule: Schedule | None, measurement: StepMeasurement) -> d
     * ``peak_activation_bytes_predicted``: per rank, the simulator's count walked with
       ``activation_bytes_per_stage`` (runtime.memory.predicted_peak_bytes);
     * ``device_peak_bytes``: per rank, the CUDA allocator's peak over the step (weights,
-      gradients and optimizer state included); null on the CPU."""
+      gradients and optimizer state included); null on the CPU;
+    * ``weight_grads_per_rank``: per rank, the I/W split's weight-gradient GEMMs (deferred by
+      I, run by W, kept in I; runtime.wgrad.WeightGradStats), null without a split."""
     from ..runtime.memory import predicted_peak_bytes
 
     peak = measurement.peak_bytes
@@ -98,6 +103,8 @@ def memory_summary(schedule: Schedule | None, measurement: StepMeasurement) -> d
         "activation_bytes_per_stage": stages,
         "peak_activation_bytes_predicted": predicted,
         "device_peak_bytes": device if device and any(d is not None for d in device) else None,
+        "weight_grads_per_rank": (measurement.weight_grads if measurement.weight_grads and any(
+            w is not None for w in measurement.weight_grads) else None),
     }
 
 
