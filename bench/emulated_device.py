@@ -25,6 +25,22 @@ soon as its own part of the previous one is done), ``b2b_reps`` rounds in rotati
 steady-state time per step is ``(E_k - E_1) / (k - 1)``, ``E_j`` the time the last rank
 finishes step ``j``; the median over the rounds.
 
+Then the *cross-step* runs, with gradient clipping and fp16 loss scaling emulated (for 1f1b,
+zb-h2 and zb-v, ``k`` steps back to back, ``b2b_reps`` rounds, every (schedule, mode) in
+rotating order; :class:`OptimizerStepEmulation`). Each step ends with an optimizer step of
+``t_opt`` (a device kernel's time, like the stages') and two one-float all-reduces over every
+rank on a group of their own (the loss scaler's found-inf, MAX; the squared grad norm, SUM):
+
+* ``sync``: Megatron's ``optimizer.step()``: both all-reduces block, then the optimizer runs;
+* ``post-validated``: ``integration.post_validation``'s step: both all-reduces are posted
+  asynchronously, the snapshot (``t_copy``) and the optimistic step (``t_opt``) run at once,
+  and the step settles (waits for both) when the rank starts its next step, before its first
+  forward reads the weights. On the steps in ``rollback_steps`` the global norm is above the
+  clip: the settle restores the snapshot and redoes the step (``t_copy + t_opt`` more).
+
+The steady step is measured as for the back-to-back runs, ``E_j`` taken when the rank's
+optimizer step returns.
+
 Predictions (``bench.calibration``): ``simulate`` with the same costs and ``t_comm``,
 ``post`` and ``t_overhead`` taken from a separate calibration tree (1F1B alone at one m), never
 from the tree being judged. ``t_comm`` is half the mean round trip of an activation-sized
@@ -56,6 +72,8 @@ MEGATRON = [("megatron 1f1b", "megatron-1f1b", 1, ("1f1b", 1)),
             ("megatron interleaved v=2", "megatron-interleaved", 2, ("interleaved", 2)),
             ("plugin 1f1b on megatron stage", "plugin-1f1b", 1, ("1f1b", 1))]
 BACK_TO_BACK = ["1f1b", "zb-h1", "zb-h2", "zb-v", "dualpipev", "megatron 1f1b"]
+CROSS_STEP = ["1f1b", "zb-h2", "zb-v"]  # back to back with clipping and loss scaling emulated
+OPTIMIZER_MODES = ("sync", "post-validated")
 
 ROWS, WIDTH = 8, 64  # the emulated activation: 8 x 64 float64 = 4 KiB
 SEQ, MBS = 16, 1  # the fake Megatron model's activation: 16 x 1 x 64 float32 = 4 KiB
@@ -73,6 +91,11 @@ class Setup:
     megatron: bool = True
     niceness: int = -20  # 0: leave the priority alone
     only: tuple = ()  # run just these labels (empty: all)
+    # cross-step runs (at the back-to-back m's): optimizer step emulation, in units of t
+    optimizer_modes: tuple = OPTIMIZER_MODES  # empty: skip the cross-step runs
+    t_opt_units: float = 0.5  # the optimizer step (Adam over a rank's parameters)
+    t_copy_units: float = 0.25  # post-validation's snapshot copy (or its restore)
+    rollback_steps: tuple = (2,)  # steps whose global norm is above the clip (of k_steps)
 
 
 def costs_for(t: float, v: int):
@@ -217,6 +240,58 @@ def fake_chunks(rank: int, p: int, v: int, t: float):
                        vp_stage=c if v > 1 else None) for c in range(v)]
 
 
+# ------------------------------------------------------------------ the optimizer step
+class OptimizerStepEmulation:
+    """What a rank does between two steps with ``--clip-grad`` and fp16 loss scaling on, in
+    one of :data:`OPTIMIZER_MODES` (see the module's docstring): the found-inf and grad-norm
+    all-reduces on ``group``, the optimizer's ``t_opt``, post-validation's ``t_copy`` and the
+    redo on a rollback. Costs are device time (``DeviceClock``)."""
+
+    def __init__(self, mode: str, group, t_opt: float, t_copy: float, rollback_steps=()):
+        if mode not in OPTIMIZER_MODES:
+            raise ValueError(f"mode {mode!r}: one of {OPTIMIZER_MODES}")
+        self.mode, self.group, self.t_opt, self.t_copy = mode, group, t_opt, t_copy
+        self.rollback_steps = set(rollback_steps)
+        self.pending = None  # (works, step) of a post-validated step not yet settled
+        self.rollbacks = 0
+
+    def _device(self, seconds: float) -> None:
+        DeviceClock.wait_until(time.perf_counter() + seconds)
+
+    def _reductions(self, async_op: bool):
+        import torch.distributed as dist
+
+        found_inf, norm = torch.zeros(1), torch.ones(1)
+        return [dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=self.group,
+                                async_op=async_op),
+                dist.all_reduce(norm, op=dist.ReduceOp.SUM, group=self.group,
+                                async_op=async_op)]
+
+    def settle(self) -> None:
+        """Post-validated: wait for the step's reductions; roll back and redo if it was one
+        of the clipped steps. Called before the next step's first forward (and at the end)."""
+        if self.pending is None:
+            return
+        works, step = self.pending
+        self.pending = None
+        for work in works:
+            work.wait()
+        if step in self.rollback_steps:
+            self.rollbacks += 1
+            self._device(self.t_copy + self.t_opt)  # restore the snapshot, step again clipped
+
+    def before_step(self) -> None:
+        self.settle()
+
+    def after_step(self, step: int) -> None:
+        if self.mode == "sync":
+            self._reductions(async_op=False)
+            self._device(self.t_opt)
+        else:
+            self.pending = (self._reductions(async_op=True), step)
+            self._device(self.t_copy + self.t_opt)  # snapshot, optimistic step
+
+
 # ------------------------------------------------------------------ one step of each kind
 def plugin_step(schedule: Schedule, rank: int, transport, weights, inputs, costs):
     from megatron_pp_ext.runtime.executor import Executor
@@ -276,7 +351,8 @@ def tree(rank: int, world: int, setup: Setup) -> dict:
     reniced = raise_priority(setup.niceness) if setup.niceness else False
     transport = TorchDistTransport(None)
     out = {"rank": rank, "reniced": reniced, "rtt": round_trip(transport, rank, 40),
-           "steps": {}, "b2b": {}}
+           "steps": {}, "b2b": {}, "cross": {}}
+    optimizer_group = dist.new_group(list(range(world))) if setup.optimizer_modes else None
     dist.barrier()
 
     runners = {}  # label -> (callable running one step of this m)
@@ -345,6 +421,29 @@ def tree(rank: int, world: int, setup: Setup) -> dict:
                     rounds[label].append((start, ends))
             for label in b2b_labels:
                 out["b2b"][(m, label)] = rounds[label]
+
+        if m in setup.back_to_back_ms and setup.optimizer_modes:
+            combos = [(label, mode) for label in CROSS_STEP if label in labels
+                      for mode in setup.optimizer_modes]
+            rounds = {combo: [] for combo in combos}
+            for rep in range(setup.b2b_reps):
+                shift = rep % len(combos)
+                for label, mode in combos[shift:] + combos[:shift]:
+                    optimizer = OptimizerStepEmulation(
+                        mode, optimizer_group, setup.t_opt_units * t, setup.t_copy_units * t,
+                        setup.rollback_steps)
+                    dist.barrier()
+                    start = time.perf_counter()
+                    ends = []
+                    for j in range(setup.k_steps):
+                        optimizer.before_step()
+                        runners[label]()
+                        optimizer.after_step(j)
+                        ends.append(time.perf_counter())
+                    optimizer.settle()
+                    rounds[(label, mode)].append((start, ends))
+            for (label, mode), value in rounds.items():
+                out["cross"][(m, label, mode)] = value
     dist.barrier()
     return out
 
@@ -409,9 +508,21 @@ def summarize(per_rank: list[dict], setup: Setup) -> dict:
                     "period": statistics.median(periods)})
     _ratios_to_1f1b(rows, "times")
     _ratios_to_1f1b(b2b, "periods")
+    cross = []
+    for (m, label, mode), rounds in per_rank[0].get("cross", {}).items():
+        periods = []
+        for j in range(len(rounds)):
+            ends = [max(r["cross"][(m, label, mode)][j][1][i] for r in per_rank)
+                    for i in range(k)]
+            periods.append((ends[-1] - ends[0]) / (k - 1))
+        cross.append({"p": p, "m": m, "schedule": label, "mode": mode, "v": _v_of(label),
+                      "periods": periods, "period": statistics.median(periods),
+                      "t_opt": setup.t_opt_units * t, "t_copy": setup.t_copy_units * t,
+                      "rollback_steps": list(setup.rollback_steps), "k": k})
+    _cross_step_ratios(cross)
     return {"p": p, "t": t, "rtt": rtt, "rtt_median": statistics.median(trips), "post": post,
             "t_comm": rtt / 2, "reniced": all(r["reniced"] for r in per_rank), "rows": rows,
-            "back_to_back": b2b}
+            "back_to_back": b2b, "cross_step": cross}
 
 
 def _v_of(label: str) -> int:
@@ -430,17 +541,69 @@ def _ratios_to_1f1b(rows: list, key: str) -> None:
             row["vs_1f1b"] = statistics.median(row["vs_1f1b_rounds"])
 
 
+def _cross_step_ratios(rows: list) -> None:
+    """Per round ratios of each cross-step row to 1F1B with Megatron's synchronous step
+    (``vs_1f1b_sync``: what a Megatron-LM run does today) and to 1F1B in the same mode."""
+    for row in rows:
+        for key, mode in (("vs_1f1b_sync", "sync"), ("vs_1f1b_same_mode", row["mode"])):
+            base = next((r for r in rows if r["m"] == row["m"] and r["schedule"] == "1f1b"
+                         and r["mode"] == mode), None)
+            if base is not None:
+                row[f"{key}_rounds"] = [a / b for a, b in zip(row["periods"], base["periods"])]
+                row[key] = statistics.median(row[f"{key}_rounds"])
+
+
 def run(p: int, ms, t: float = 0.020, reps: int = 5, back_to_back_ms=(), k_steps: int = 4,
         b2b_reps: int = 3, megatron: bool = True, niceness: int = -20, only=(),
-        timeout_s: float = 900) -> dict:
+        timeout_s: float = 900, optimizer_modes=OPTIMIZER_MODES) -> dict:
     from megatron_pp_ext.train.processes import spawn
 
     setup = Setup(p=p, ms=tuple(ms), t=t, reps=reps, k_steps=k_steps, b2b_reps=b2b_reps,
                   back_to_back_ms=tuple(back_to_back_ms), megatron=megatron, niceness=niceness,
-                  only=tuple(only))
+                  only=tuple(only), optimizer_modes=tuple(optimizer_modes))
     from bench.provenance import utc_now
 
     started = utc_now()
     per_rank = spawn(p, tree, setup, timeout_s=timeout_s)
     return {**summarize(per_rank, setup), "utc_start": started, "utc_end": utc_now(),
             "reps": reps}
+
+
+# ------------------------------------------------------------------ the cross-step figure alone
+def cross_step_main(argv=None) -> int:
+    """``python -m bench.emulated_device``: the cross-step figure alone (p=4, m=8 by default):
+    1f1b, zb-h2 and zb-v single steps, back to back with nothing in the optimizer step, and
+    back to back with clipping and loss scaling emulated (sync / post-validated); writes
+    ``bench/results/cross_step.json`` and ``.md`` and prints the table."""
+    import argparse
+    import json
+    from pathlib import Path
+
+    parser = argparse.ArgumentParser(description=cross_step_main.__doc__)
+    parser.add_argument("-p", type=int, default=4)
+    parser.add_argument("-m", type=int, default=8)
+    parser.add_argument("--t", type=float, default=0.020)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--b2b-reps", type=int, default=3)
+    parser.add_argument("--k-steps", type=int, default=4)
+    parser.add_argument("--niceness", type=int, default=-20)
+    parser.add_argument("--out", default="bench/results/cross_step")
+    args = parser.parse_args(argv)
+    tree = run(args.p, (args.m,), t=args.t, reps=args.reps, back_to_back_ms=(args.m,),
+               k_steps=args.k_steps, b2b_reps=args.b2b_reps, megatron=False,
+               niceness=args.niceness, only=tuple(CROSS_STEP))
+    from bench.report import cross_step_table
+
+    text = "\n".join(cross_step_table([tree]))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(tree, indent=1, default=str))
+    out.with_suffix(".md").write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(cross_step_main())

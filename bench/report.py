@@ -212,6 +212,41 @@ def back_to_back_table(trees: list) -> list[str]:
             out.append(f"| {r['p']} | {r['m']} | {r['schedule']} | {ms_range(r['periods'])} | "
                        f"{with_range(r['vs_1f1b_rounds'])} | {' | '.join(errors)} | "
                        f"{ms_range(single[(r['m'], r['schedule'])])} |")
+    return out + [""] + cross_step_table(trees)
+
+
+def cross_step_table(trees: list) -> list[str]:
+    """Back to back with gradient clipping and fp16 loss scaling emulated: Megatron's
+    synchronous optimizer step against the post-validated one, beside the single step (with a
+    barrier) and the back-to-back step with nothing in the optimizer step."""
+    rows = [r for tree in trees for r in tree.get("cross_step", [])]
+    if not rows:
+        return []
+    first = rows[0]
+    out = ["### Back to back with clipping and loss scaling (cross-step)", "",
+           f"Each step ends with an optimizer step of t_opt = {1e3 * first['t_opt']:.0f} ms and "
+           "two one-float all-reduces over every rank (found-inf MAX, squared grad norm SUM). "
+           "*sync*: Megatron's `optimizer.step()` (both block, then the optimizer). "
+           "*post-validated*: `integration.post_validation` (reductions posted async, snapshot "
+           f"t_copy = {1e3 * first['t_copy']:.0f} ms and the optimistic step at once, settled "
+           "before the rank's next step reads its weights; on step(s) "
+           f"{first['rollback_steps']} of {first['k']} the norm is above the clip: restore and "
+           "redo, t_copy + t_opt more). Steady step as back to back; vs 1F1B sync: per-round "
+           "ratio to 1F1B with Megatron's step, median (min-max).", "",
+           "| p | m | schedule | mode | steady step (ms) | vs 1F1B sync | vs 1F1B same mode | "
+           "back to back, no optimizer (ms) | single step, barrier (ms) |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for tree in trees:
+        single = {(r["m"], r["schedule"]): r["times"] for r in tree["rows"]}
+        free = {(r["m"], r["schedule"]): r["periods"] for r in tree["back_to_back"]}
+        for r in tree.get("cross_step", []):
+            key = (r["m"], r["schedule"])
+            out.append(
+                f"| {r['p']} | {r['m']} | {r['schedule']} | {r['mode']} | "
+                f"{ms_range(r['periods'])} | {with_range(r.get('vs_1f1b_sync_rounds', []))} | "
+                f"{with_range(r.get('vs_1f1b_same_mode_rounds', []))} | "
+                f"{ms_range(free[key]) if key in free else '-'} | "
+                f"{ms_range(single[key]) if key in single else '-'} |")
     return out + [""]
 
 
