@@ -291,19 +291,20 @@ def _figure(cfg: Config, rows: list[dict], path: Path) -> None:
     left.set_xticks(list(x), labels, rotation=20, ha="right", fontsize=8)
     left.set_ylabel("ms per microbatch")
     left.set_title(f"time per microbatch (p={cfg.p}, m={cfg.m}, {cfg.steps} batches)")
-    left.legend(fontsize=8)
+    left.set_ylim(0, 1.35 * max(1000 * r["seconds_per_microbatch"] for r in rows))
+    left.legend(fontsize=7, ncol=2, loc="upper right")
     ranks = range(cfg.p)
-    width = 0.8 / len(rows)
-    for k, r in enumerate(rows):
-        if r["schedule"].startswith("1f1b (back"):
-            continue
+    shown = [r for r in rows if not r["schedule"].startswith("1f1b (back")]
+    width = 0.8 / len(shown)
+    for k, r in enumerate(shown):
         right.bar([q + k * width for q in ranks],
                   [b / 1024 for b in r["weight_version_bytes_per_rank"]], width,
                   label=r["schedule"])
-    right.set_xticks([q + 0.4 for q in ranks], [f"rank {q}" for q in ranks])
+    right.set_xticks([q + 0.4 - width / 2 for q in ranks], [f"rank {q}" for q in ranks])
+    right.set_ylim(0, 1.35 * max(max(r["weight_version_bytes_per_rank"]) for r in rows) / 1024)
     right.set_ylabel("KiB of weight versions")
     right.set_title("weight versions held per rank (1F1B: the parameters)")
-    right.legend(fontsize=8)
+    right.legend(fontsize=7, ncol=2, loc="upper right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
