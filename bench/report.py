@@ -14,7 +14,7 @@ from bench.stats import median, ms_range, quartiles, with_range
 
 TARGETS = {"zb-h1": 0.85, "zb-h2": 0.80, "zb-v": 0.80}
 PARTS = {"emulated": "(a)", "real_gpt": "(b)", "overhead": "(c)", "analysis": "(d)",
-         "nccl_fabric": "(e)"}
+         "nccl_fabric": "(e)", "memory_bytes": "(f)"}
 MODEL_NAMES = {"t_comm": "costs + t_comm", "post": "+post (measured posting time per action)",
                "calibrated": "calibrated t_overhead"}
 
@@ -33,6 +33,8 @@ def render(results: dict) -> str:
         body += analysis_markdown(sections["analysis"]["rows"], checks)
     if "nccl_fabric" in sections:
         body += nccl_fabric_markdown(sections["nccl_fabric"], checks)
+    if "memory_bytes" in sections:
+        body += memory_bytes_markdown(sections["memory_bytes"])
     out = ["# Benchmark results", "",
            "Each part names the run that produced it; a part rerun alone (`--only`) replaces "
            "its own rows and provenance and leaves the others as they were. Figures are the "
@@ -376,6 +378,14 @@ def nccl_fabric_markdown(section: dict, checks: list) -> list[str]:
                        f"{inside} of {len(judged)}; worst {worst[0]['schedule']} "
                        f"m={worst[0]['m']}: {worst[1]:.3f}", inside == len(judged)))
     return out + [""]
+
+
+def memory_bytes_markdown(section: dict) -> list[str]:
+    """(f): bench/memory_bytes.py's table."""
+    from bench import memory_bytes
+
+    return (["## (f) Activation memory in bytes: measured and predicted", ""]
+            + memory_bytes.markdown(section) + [""])
 
 
 def plot(section: dict, path: Path) -> None:
