@@ -47,6 +47,9 @@ def test_2bw_and_pipedream_train_the_tiny_gpt(tmp_path):
         assert "staleness:" in proc.stdout
         assert all(b > 0 for b in summary["stashed_weight_bytes_per_rank"])
     two = runs["pipedream-2bw"][1]
+    page = (tmp_path / "pipedream-2bw" / "timeline.html").read_text()  # --trace: the default
+    assert "1B5" in page and "<svg" in page
+    assert 0 <= two["bubble_measured"] < 1 and 0 <= two["bubble_predicted"] < 1
     assert two["losses"][0] == pytest.approx(first, rel=1e-6)
     # and every batch's loss equals the 2BW rule's on one process (pp = 1, same weights)
     from megatron_pp_ext.train.processes import spawn

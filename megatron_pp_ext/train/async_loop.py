@@ -111,7 +111,7 @@ def async_train_rank(rank: int, world_size: int, settings: TrainSettings,
                              vertical_sync=settings.vertical_sync,
                              recv_shape=(cfg.seq_length, cfg.micro_batch_size, cfg.hidden_size),
                              dtype=torch.float32, transport=transport,
-                             timeout_s=settings.p2p_timeout_s,
+                             timeout_s=settings.p2p_timeout_s, trace=settings.trace,
                              on_loss=on_loss if pp_rank == last else None)
     t0 = time.perf_counter()
     result = pipeline.run()
@@ -121,10 +121,15 @@ def async_train_rank(rank: int, world_size: int, settings: TrainSettings,
             "parameter_bytes": sum(q.numel() * q.element_size() for q in chunk.parameters()),
             "peak_activations": result.step.peak_activations,
             "planned_versions_held": pipeline.plan.max_held[pp_rank]}
+    if settings.trace:
+        mine["events"] = result.step.events
     gathered: list = [None] * pp_group.size()
     dist.all_gather_object(gathered, mine, group=pp_group)
     if pp_rank != last:
         return None
+    measured = predicted = None
+    if settings.trace:
+        measured, predicted = _timelines(pipeline.schedule, gathered)
     per_step = result.losses_per_step(m)
     summary = {
         "schedule": settings.schedule,
@@ -146,16 +151,47 @@ def async_train_rank(rank: int, world_size: int, settings: TrainSettings,
         "seconds_total": time.perf_counter() - started,
         "settings": settings.to_dict(),
     }
+    if measured is not None:
+        summary.update(bubble_measured=measured.bubble_fraction,
+                       bubble_predicted=predicted.bubble_fraction,
+                       makespan_measured_s=measured.makespan,
+                       makespan_predicted_s=predicted.makespan)
     from .report import write_outputs
 
-    files = write_outputs(settings.out, summary, None, None)
+    files = write_outputs(settings.out, summary, predicted, measured)
     print(f"done in {summary['seconds_total']:.1f} s: loss {per_step[0]:.4f} -> "
           f"{per_step[-1]:.4f}, {1000 * summary['seconds_per_microbatch']:.1f} ms per "
           f"microbatch; weight versions per rank {summary['versions_held_per_rank']} "
           f"({', '.join(f'{b / 2**20:.2f}' for b in summary['stashed_weight_bytes_per_rank'])}"
-          f" MiB stashed); peak activations {summary['peak_activations']}\nwrote "
+          f" MiB stashed); peak activations {summary['peak_activations']}"
+          + (f"; bubble of the whole run (one fill and one drain) {100 * measured.bubble_fraction:.1f}%"
+             f" measured / {100 * predicted.bubble_fraction:.1f}% predicted from the measured "
+             "costs" if measured is not None else "")
+          + "\nwrote "
           + ", ".join(files), flush=True)
     return summary
+
+
+def _timelines(schedule, gathered: list[dict]):
+    """The measured timeline of the whole run (every rank's events: one machine's monotonic
+    clock) and the simulator's, under each rank's measured mean F and B."""
+    import statistics
+
+    from ..analysis.simulate import CostModel, simulate
+    from ..timeline import Timeline
+
+    events = [e for g in gathered for e in g["events"]]
+    peaks = [g["peak_activations"] for g in gathered]
+    measured = Timeline(schedule.name, schedule.num_ranks, schedule.num_microbatches, 1,
+                        events, peaks, "measured", "s")
+    means = {}
+    for kind in ("F", "B"):
+        means[kind] = [statistics.mean([e.duration for e in measured.compute_events(r)
+                                        if e.kind == kind] or [0.0])
+                       for r in range(schedule.num_ranks)]
+    predicted = simulate(schedule, CostModel(t_f=means["F"], t_b=means["B"]))
+    predicted.unit = "s"
+    return measured, predicted
 
 
 def run(settings: TrainSettings) -> int:
