@@ -85,6 +85,49 @@ def test_refusals():
         PostValidatedOptimizer(object())
 
 
+# ------------------------------------------------------------------ running ahead (RunAhead)
+RUN_AHEAD = [("fp16", False, "zb-h2", INF_STEP), ("fp16", True, "1f1b", INF_STEP),
+             ("bf16", True, "zb-h1", None), ("fp32", False, "1f1b", None)]
+
+
+@pytest.mark.parametrize("precision,distributed,schedule,inf_step", RUN_AHEAD,
+                         ids=[f"{c[0]}-{'distributed' if c[1] else 'local'}-{c[2]}"
+                              for c in RUN_AHEAD])
+def test_run_ahead_bit_identical(precision, distributed, schedule, inf_step):
+    """Step k+1 runs on step k's optimistic weights before step k is validated; a step after
+    a rolled-back one (clipped, overflowed) or after a loss-scale change is replayed with the
+    same microbatches. Losses of every step and the whole state after every step equal
+    Megatron's synchronous loop."""
+    results = _run(precision=precision, distributed=distributed, schedule=schedule,
+                   inf_step=inf_step, run_ahead=True)
+    for r in results:
+        assert r["mismatches"] == [[]] * len(CLIPS), (r["rank"], r["mismatches"])
+        assert [x["megatron"] for x in r["pv"]] == r["ref"]
+        assert r["pv_losses"] == r["ref_losses"]
+        rolled = [o["rolled_back"] for o in r["pv"]]
+        assert rolled == [CLIPS[k] < 1.0 or k == inf_step for k in range(len(CLIPS))]
+        # replayed: every step after a rollback (fp16: also after the scale grew, step 1)
+        for k in range(1, len(CLIPS)):
+            if rolled[k - 1]:
+                assert r["replayed"][k]
+        assert not r["replayed"][0]
+        assert r["replays"] == sum(r["replayed"])
+    if precision != "fp16":
+        assert all(r["replayed"] == [False] + [rolled for rolled in
+                   [o["rolled_back"] for o in r["pv"]][:-1]] for r in results)
+
+
+def test_run_ahead_replays_after_a_loss_scale_change_alone():
+    """No clipping, no overflow: the fp16 scaler grows after 2 good steps (window 2), so the
+    step after it ran with the old scale and is replayed, though nothing was rolled back."""
+    results = spawn(4, run_post_validation, pp=2, clips=[100.0] * 4, precision="fp16",
+                    schedule="1f1b", run_ahead=True, timeout_s=TIMEOUT)
+    for r in results:
+        assert r["mismatches"] == [[]] * 4 and r["pv_losses"] == r["ref_losses"]
+        assert not any(o["rolled_back"] for o in r["pv"])
+        assert r["replayed"] == [False, False, True, False]
+
+
 # ------------------------------------------------------------------ Megatron-LM's real loop
 def test_pretrain_flag_bit_identical_to_megatron_step():
     """``--pp-post-validate`` in ``megatron.training.pretrain`` (4 processes, pp=2 x dp=2,

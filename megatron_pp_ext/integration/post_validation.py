@@ -90,9 +90,13 @@ class StepOutcome:
 class _Snapshot:
     """Copies of everything one optimistic ``step_with_ready_grads()`` changes on this rank."""
 
-    def __init__(self, leaf, model_params: list[torch.Tensor]):
+    def __init__(self, leaf, model_params: list[torch.Tensor], keep_grads: bool = False):
         inner = leaf.optimizer
         seen = set()
+        # run ahead: the next step's backward may write into the main gradients (views of
+        # DDP's buffer for fp32 gradients) before this step is validated and perhaps redone
+        self.grads = [(p, p.grad.detach().clone()) for g in inner.param_groups
+                      for p in g["params"] if p.grad is not None] if keep_grads else []
         self.tensors: list[tuple[torch.Tensor, torch.Tensor]] = []
         for param in [p for g in inner.param_groups for p in g["params"]] + model_params:
             key = (param.data_ptr(), param.numel(), param.dtype)
@@ -112,7 +116,8 @@ class _Snapshot:
 
     @property
     def nbytes(self) -> int:
-        total = sum(copy.numel() * copy.element_size() for _, copy in self.tensors)
+        total = sum(copy.numel() * copy.element_size()
+                    for _, copy in self.tensors + self.grads)
         for _, state in self.states:
             for value in (state or {}).values():
                 if torch.is_tensor(value):
@@ -143,6 +148,8 @@ class _Snapshot:
                 group.pop("step", None)
             else:
                 group["step"] = step
+        for param, grad in self.grads:  # the step's own gradients, for its redo
+            param.grad = grad
 
 
 def _leaf_of(optimizer):
@@ -255,6 +262,8 @@ class PostValidatedOptimizer:
         object.__setattr__(self, "_pending", None)
         object.__setattr__(self, "history", [])  # StepOutcome per step
         object.__setattr__(self, "last_snapshot_bytes", 0)
+        object.__setattr__(self, "run_ahead", False)  # set by RunAhead
+        object.__setattr__(self, "scale_used", None)  # loss scale the pending step ran with
 
     # ---- forwarding
     @property
@@ -263,6 +272,8 @@ class PostValidatedOptimizer:
 
     def __getattr__(self, name):
         value = getattr(self._wrapped, name)
+        if self.run_ahead and name in ("get_loss_scale", "scale_loss"):
+            return value  # run ahead: the next step scales with the current (unsettled) scale
         if name in PostValidatedOptimizer._SETTLING and callable(value):
             def settled(*args, **kwargs):
                 self.settle()
@@ -335,11 +346,16 @@ class PostValidatedOptimizer:
         # 2. optimistic: snapshot, then the optimizer's own step on the unclipped gradients
         snapshot = None
         if validate and not stub:
-            snapshot = _Snapshot(leaf, _model_params(leaf))
+            snapshot = _Snapshot(leaf, _model_params(leaf), keep_grads=self.run_ahead)
             object.__setattr__(self, "last_snapshot_bytes", snapshot.nbytes)
         if not stub:
             self._step_with_ready_grads()
         object.__setattr__(self, "_pending", (inf_work, norm_work, norm_total, snapshot))
+
+    def _loss_scale(self):
+        leaf = self._leaf
+        scaler = getattr(leaf, "grad_scaler", None)
+        return None if scaler is None else scaler.scale.detach().clone()
 
     def _step_with_ready_grads(self) -> bool:
         return self._wrapped.step_with_ready_grads()
@@ -413,3 +429,111 @@ def post_validated(optimizer):
     if isinstance(optimizer, PostValidatedOptimizer):
         return optimizer
     return PostValidatedOptimizer(optimizer)
+
+
+# --------------------------------------------------------------------------------------------
+# Running ahead: the next step on the optimistic weights, replayed when validation fails
+# --------------------------------------------------------------------------------------------
+
+
+class _Recording:
+    """An iterator that keeps what it hands out, so the step can be replayed."""
+
+    def __init__(self, iterator):
+        self.iterator, self.items = iterator, []
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        item = next(self.iterator)
+        self.items.append(item)
+        return item
+
+
+def _record(data_iterator):
+    if isinstance(data_iterator, list):
+        return [_record(it) for it in data_iterator]
+    return None if data_iterator is None else _Recording(data_iterator)
+
+
+def _replay(recorded):
+    if isinstance(recorded, list):
+        return [_replay(r) for r in recorded]
+    return None if recorded is None else iter(list(recorded.items))
+
+
+class RunAhead:
+    """A training loop whose ranks start step k+1 before step k is validated, still
+    bit-identical to Megatron's synchronous loop.
+
+    Each step: :meth:`forward_backward` runs the step on the optimistic weights of the previous
+    step (every rank starts as soon as its own previous step is done: nothing waits for the
+    other ranks' gradients), *then* settles the previous step (its reductions have long
+    arrived). When the previous step was rolled back (inf, clipped, skipped) or its loss-scale
+    update changed the scale this step's loss was scaled with, the step's gradients are
+    discarded and it runs again on the settled weights with the same microbatches (recorded
+    from ``data_iterator``): a *replay*, one more forward-backward. :meth:`optimizer_step` then
+    starts this step's post-validated optimizer step. Memory: the post-validated snapshot plus
+    a copy of the main gradients (4 bytes per main parameter), since this step's backward
+    writes into them before the previous step may need them for its clipped redo.
+
+    ::
+
+        run = RunAhead(optimizer, model_chunks)
+        for batch_iterator in data:
+            output, previous, replayed = run.forward_backward(
+                forward_backward_func, batch_iterator, num_microbatches=m, seq_length=s,
+                micro_batch_size=b, forward_step_func=forward_step)
+            run.optimizer_step()
+        last = run.finish()
+
+    Use it in a loop of your own: Megatron-LM's ``train_step`` reads each step's result
+    right after ``optimizer.step()`` and cannot run ahead. It calls DDP's
+    ``zero_grad_buffer()`` itself; do not call ``optimizer.zero_grad()`` in between (it
+    settles)."""
+
+    def __init__(self, optimizer, model):
+        self.optimizer = post_validated(optimizer)
+        object.__setattr__(self.optimizer, "run_ahead", True)
+        self.model = list(model) if isinstance(model, (list, tuple)) else [model]
+        self.replays = 0
+
+    def _zero_grad_buffers(self) -> None:
+        """What ``optimizer.zero_grad()`` and DDP's ``zero_grad_buffer()`` do for the model
+        before a step, without settling: DDP's buffers zeroed, ``param.grad`` dropped (the
+        FP32 optimizer points it at the buffer; autograd would accumulate into it). The main
+        gradients a pending step may still need are in its snapshot."""
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
+            for param in chunk.parameters():
+                param.grad = None
+
+    def forward_backward(self, forward_backward_func, data_iterator, **kwargs):
+        """This step's forward-backward (``forward_backward_func(data_iterator=...,
+        model=..., **kwargs)``), run ahead; returns (its output, the previous step's
+        :class:`StepOutcome` or None, whether the step was replayed)."""
+        optimizer = self.optimizer
+        scale_used = optimizer._loss_scale()
+        model = self.model if len(self.model) > 1 else self.model[0]
+        self._zero_grad_buffers()
+        recorded = _record(data_iterator)
+        output = forward_backward_func(data_iterator=recorded, model=model, **kwargs)
+        outcome = optimizer.settle()
+        scale_now = optimizer._loss_scale()
+        scale_changed = scale_used is not None and not torch.equal(scale_used, scale_now)
+        replayed = outcome is not None and (outcome.rolled_back or scale_changed)
+        if replayed:
+            self.replays += 1
+            self._zero_grad_buffers()
+            output = forward_backward_func(data_iterator=_replay(recorded), model=model,
+                                           **kwargs)
+        return output, outcome, replayed
+
+    def optimizer_step(self) -> None:
+        """This step's optimizer step, post-validated (returns without waiting)."""
+        self.optimizer.begin_step()
+
+    def finish(self) -> Optional[StepOutcome]:
+        """Settle the last step (at the end of training, before saving)."""
+        return self.optimizer.settle()

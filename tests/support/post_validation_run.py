@@ -122,11 +122,12 @@ def run_post_validation(rank: int, world_size: int, pp: int = 2, precision: str 
                         clips: Sequence[float] = (), inf_step: int | None = None,
                         num_microbatches: int = 4, lr: float = 1e-2,
                         loss_scale_window: int = 2,
-                        without_restore: bool = False) -> dict[str, Any]:
+                        without_restore: bool = False, run_ahead: bool = False
+                        ) -> dict[str, Any]:
     from megatron.core import parallel_state
 
     from megatron_pp_ext.integration.forward_backward import ScheduleFunction
-    from megatron_pp_ext.integration.post_validation import PostValidatedOptimizer
+    from megatron_pp_ext.integration.post_validation import PostValidatedOptimizer, RunAhead
     from megatron_pp_ext.train.processes import init_megatron
 
     _patch_for_cpu()
@@ -155,6 +156,9 @@ def run_post_validation(rank: int, world_size: int, pp: int = 2, precision: str 
             param = next(p for p in model[0].parameters() if p.requires_grad)
             param.main_grad.fill_(float("inf"))
 
+    if run_ahead:
+        return _run_ahead(cfg, function, ref_model, ref_opt, pv_model, RunAhead(pv_base, pv_model),
+                          clips, inf_step, num_microbatches, dp_rank, last_stage, rank)
     ref_results, pv_results, mismatches, snapshot_bytes = [], [], [], []
     ref_states = []
     for k in range(steps + 1):
@@ -192,3 +196,68 @@ def run_post_validation(rank: int, world_size: int, pp: int = 2, precision: str 
             "sync": (sync_ref, sync_pv, sync_mismatch), "snapshot_bytes": snapshot_bytes,
             "main_numel": main_numel, "leaf": type(_leaf(pv_opt)).__name__,
             "wrapped": type(pv_base).__name__}
+
+
+def _losses(output) -> list[float]:
+    return [float(d["lm loss"]) for d in output or []]
+
+
+def _run_ahead(cfg, function, ref_model, ref_opt, pv_model, run, clips, inf_step,
+               num_microbatches, dp_rank, last_stage, rank) -> dict[str, Any]:
+    """The reference loop (Megatron's synchronous step) beside ``RunAhead``: step k+1 runs on
+    step k's optimistic weights and is replayed when step k's validation fails. Compared after
+    each step is settled (inside the next step's ``forward_backward``, before its optimizer
+    step) and the losses of every step (the replay's when replayed)."""
+    from megatron.core import parallel_state
+
+    steps = len(clips)
+    batches_of = lambda k: tiny_gpt.mock_batches(cfg, num_microbatches, seed=100 * k + dp_rank)
+    kwargs = dict(forward_step_func=tiny_gpt.forward_step_func, num_microbatches=num_microbatches,
+                  seq_length=cfg.seq_length, micro_batch_size=cfg.micro_batch_size)
+
+    def inject(model, k):
+        if k == inf_step and last_stage:
+            param = next(p for p in model[0].parameters() if p.requires_grad)
+            param.main_grad.fill_(float("inf"))
+
+    def injecting(k):
+        def forward_backward(**kw):
+            out = function(**kw)
+            inject(pv_model, k)
+            return out
+        return forward_backward
+
+    ref_results, ref_states, ref_losses = [], [], []
+    pv_results, pv_losses, mismatches, replayed = [], [], [], []
+    for k in range(steps + 1):
+        if k < steps:  # the reference's step k
+            ref_opt.config.clip_grad = clips[k]
+            ref_opt.zero_grad()
+            for chunk in ref_model:
+                chunk.zero_grad_buffer()
+            ref_losses.append(_losses(function(data_iterator=iter(batches_of(k)),
+                                               model=ref_model, **kwargs)))
+            inject(ref_model, k)
+            ref_results.append([_plain(v) for v in ref_opt.step()])
+            ref_states.append(_state_of(ref_model, ref_opt))
+            output, outcome, again = run.forward_backward(injecting(k), iter(batches_of(k)),
+                                                          **kwargs)
+            pv_losses.append(_losses(output))
+            replayed.append(again)
+        else:
+            outcome = run.finish()
+        if k > 0:  # step k-1 is settled now
+            pv_results.append({"megatron": [_plain(v) for v in outcome.as_megatron()],
+                               "rolled_back": outcome.rolled_back, "redone": outcome.redone,
+                               "found_inf": outcome.found_inf, "clipped": outcome.clipped})
+            if k < steps:  # compare before step k's optimizer step
+                mismatches.append(_differences(ref_states[k - 1], _state_of(pv_model, run.optimizer)))
+        if k < steps:
+            run.optimizer.config.clip_grad = clips[k]
+            run.optimizer_step()
+    mismatches.append(_differences(ref_states[-1], _state_of(pv_model, run.optimizer)))
+    return {"rank": rank, "pp_rank": parallel_state.get_pipeline_model_parallel_rank(),
+            "ref": ref_results, "pv": pv_results, "mismatches": mismatches,
+            "ref_losses": ref_losses, "pv_losses": pv_losses, "replayed": replayed,
+            "replays": run.replays, "snapshot_bytes": [run.optimizer.snapshot_bytes()],
+            "leaf": type(_leaf(run.optimizer)).__name__}
