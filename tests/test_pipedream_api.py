@@ -81,3 +81,59 @@ def test_api_over_gloo_equals_reference(name):
                else reference_2bw(p, m, steps))
     for s in range(p):
         torch.testing.assert_close(out[s][0], want[s], rtol=1e-12, atol=1e-12)
+
+
+class _MegatronLike:
+    """The shape of Megatron's optimizer: a ChainedOptimizer whose ``step()`` is a collective
+    (here: it must not be called) over optimizers with local ``prepare_grads`` (main_grad into
+    grad) and ``step_with_ready_grads``."""
+
+    class Inner:
+        def __init__(self, params, lr, clip):
+            self.optimizer = torch.optim.SGD(params, lr=lr)
+            self.config = type("Config", (), {"clip_grad": clip})()
+            self.param_groups = self.optimizer.param_groups
+
+        def prepare_grads(self):
+            for group in self.optimizer.param_groups:
+                for p in group["params"]:
+                    p.grad = p.main_grad
+            return False
+
+        def step_with_ready_grads(self):
+            self.optimizer.step()
+            return True
+
+    def __init__(self, params, lr, clip=0.0):
+        self.chained_optimizers = [self.Inner(params, lr, clip)]
+        self.param_groups = self.chained_optimizers[0].param_groups
+
+    def step(self):
+        raise AssertionError("Megatron's step() all-reduces the grad norm: never called here")
+
+
+def _megatron_like_rank(rank, transport, clip=0.0):
+    p, m, steps = transport.world_size, 2, 3
+    weights = stage_weights(p, WIDTH)
+    inputs = microbatch_inputs(m * steps, ROWS, WIDTH)
+    module = ToyStage(weights[rank])
+    module.weight.main_grad = torch.zeros_like(module.weight)  # as Megatron's DDP gives it
+    optimizer = _MegatronLike(list(module.parameters()), LR, clip)
+    pipeline = AsyncPipeline("pipedream-2bw", [module], optimizer, _forward_fn(p, inputs),
+                             num_microbatches=m, steps=steps, recv_shape=(ROWS, WIDTH),
+                             dtype=torch.float64, transport=transport, timeout_s=30)
+    pipeline.run()
+    assert not module.weight.main_grad.any()  # zeroed after each update
+    return module.weight.detach().clone()
+
+
+def test_megatron_style_optimizer_steps_locally_through_main_grad():
+    out = run_ranks_in_threads(2, _megatron_like_rank)
+    want, _ = reference_2bw(2, 2, 3)
+    for s in range(2):
+        torch.testing.assert_close(out[s], want[s], rtol=1e-12, atol=1e-12)
+
+
+def test_gradient_clipping_is_refused():
+    with pytest.raises(ValueError, match="clip_grad=1.0"):
+        run_ranks_in_threads(2, lambda r, t: _megatron_like_rank(r, t, clip=1.0))

@@ -164,6 +164,35 @@ class VersionRecord:
     version: int
 
 
+def local_step(optimizer) -> None:
+    """Step ``optimizer`` on this rank alone. A torch optimizer's ``step()`` is local; Megatron's
+    ``step()`` is not (its ``ChainedOptimizer`` all-reduces the gradient norm over the
+    model-parallel group every step, and the pipeline ranks update at different times here), so
+    each of its optimizers runs its local halves: ``prepare_grads()`` (``main_grad`` into
+    ``.grad``) and ``step_with_ready_grads()``."""
+    chained = getattr(optimizer, "chained_optimizers", None)
+    targets = chained if chained is not None else [optimizer]
+    for target in targets:
+        if getattr(target, "is_stub_optimizer", False):
+            continue
+        if callable(getattr(target, "prepare_grads", None)) and callable(
+                getattr(target, "step_with_ready_grads", None)):
+            if getattr(target, "grad_scaler", None) is not None:
+                raise ValueError(
+                    "Megatron's fp16 optimizer checks for inf/nan with an all-reduce over the "
+                    "model-parallel group at every step, which the asynchronous schedules' "
+                    "per-stage updates cannot line up: use fp32 or bf16")
+            target.prepare_grads()
+            target.step_with_ready_grads()
+        else:
+            target.step()
+
+
+def _clip_of(optimizer) -> float:
+    chained = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    return max((getattr(getattr(o, "config", None), "clip_grad", 0.0) or 0.0) for o in chained)
+
+
 class StageVersions:
     """One stage's weight versions: detached snapshots of its module's parameters."""
 
@@ -209,10 +238,18 @@ class StageVersions:
                     saved.append((p, p.grad))
                     p.grad = None
         for p, g in zip(self.params, self.grads):
-            p.grad = torch.zeros_like(p) if g is None else g.to(p.dtype)
-        optimizer.step()
+            g = torch.zeros_like(p) if g is None else g.to(p.dtype)
+            if getattr(p, "main_grad", None) is not None:
+                # Megatron DDP's buffer: Megatron's optimizer takes the gradient from there
+                p.main_grad.copy_(g)
+                p.grad = None
+            else:
+                p.grad = g
+        local_step(optimizer)
         for p in self.params:
             p.grad = None
+            if getattr(p, "main_grad", None) is not None:
+                p.main_grad.zero_()
         for p, g in saved:
             p.grad = g
         self.grads = [None] * len(self.params)
@@ -235,7 +272,9 @@ class VersionedStageWork:
     """The executor's ``StageWork`` for an asynchronous schedule on one rank.
 
     ``modules``: stage -> this rank's module for it; ``optimizer``: one optimizer over their
-    parameters (any ``torch.optim.Optimizer``; each update steps one stage's parameters);
+    parameters (any ``torch.optim.Optimizer``, or Megatron's ``get_megatron_optimizer`` over
+    the same modules wrapped in Megatron's DDP, without gradient clipping: each update writes
+    the gradients into ``main_grad``; each update steps one stage's parameters);
     ``forward_fn``: see ``ForwardFn``; ``loss_scale``: what the last stage's loss is
     multiplied by before its backward (default: 1 / the rule's batch, so an update follows
     the mean gradient of its batch); ``on_loss(microbatch, value)``: called with each loss.
@@ -250,6 +289,13 @@ class VersionedStageWork:
             raise ValueError(f"rank {rank} holds stages {schedule.stages_of(rank)}, but modules "
                              f"were given for stages {sorted(modules)}")
         self.modules, self.optimizer, self.forward_fn = modules, optimizer, forward_fn
+        clip = _clip_of(optimizer)
+        if clip > 0 and schedule.num_ranks > 1:
+            raise ValueError(
+                f"{schedule.name}: the optimizer clips gradients (clip_grad={clip}), which "
+                "all-reduces the gradient norm over the pipeline ranks at every step; here each "
+                "stage updates at its own time, so those collectives would not line up: set "
+                "clip_grad=0 (OptimizerConfig) or use a torch.optim optimizer")
         self.stages = {s: StageVersions(s, m, self.plan) for s, m in modules.items()}
         self.loss_scale = 1.0 / self.plan.rule.batch if loss_scale is None else loss_scale
         self.on_loss = on_loss

@@ -3,10 +3,10 @@ asynchronous schedule (``schedules.pipedream``), through the Python API
 (``runtime.pipedream.AsyncPipeline``) and the one executor, over gloo processes.
 
 Megatron's ``forward_backward_func`` flushes every step, so this path does not go through it:
-each rank builds its chunk of the same tiny ``GPTModel`` (unwrapped: no DDP, one chunk per
-rank), a ``torch.optim.Adam`` with ``--lr`` over its parameters (the same Adam as the flushed
-schedules' Megatron optimizer: betas 0.9 / 0.999, eps 1e-8, no weight decay, no clipping on the
-CPU), and runs all ``--steps`` batches of ``-m`` microbatches as one action list, the same
+each rank builds its chunk of the same tiny ``GPTModel`` (one chunk per rank, wrapped in
+Megatron's DDP for its gradient buffers), Megatron's optimizer as the flushed schedules'
+``train`` builds it (``get_megatron_optimizer``: Adam, fp32, ``--lr``, no weight decay, no
+clipping), and runs all ``--steps`` batches of ``-m`` microbatches as one action list, the same
 data as every other schedule (``train.data.counting_batches``, batch = step). The rank holding
 the last stage prints a line per batch as its last loss arrives and writes ``summary.json``
 (per-batch losses, weight versions and their bytes per rank, peak activations, staleness).
@@ -64,8 +64,7 @@ def async_train_rank(rank: int, world_size: int, settings: TrainSettings,
     init_megatron(p, None, seed=settings.seed, force_cpu=True)
     config = tiny_gpt.make_transformer_config(cfg, p, None)
     (chunk,) = tiny_gpt.build_model_chunks(cfg, vp_size=None, layout="loop", config=config)
-    optimizer = torch.optim.Adam(chunk.parameters(), lr=settings.lr, betas=(0.9, 0.999),
-                                 eps=1e-8, weight_decay=0.0)
+    optimizer = _megatron_optimizer(chunk, config, settings.lr)
     batches = [b for step in range(steps) for b in counting_batches(
         m, cfg.micro_batch_size, cfg.seq_length, cfg.vocab_size, settings.seed, step)]
     last = p - 1
@@ -136,7 +135,7 @@ def async_train_rank(rank: int, world_size: int, settings: TrainSettings,
         "vertical_sync": settings.vertical_sync,
         "pp": p, "microbatches": m, "steps": steps, "chunks": 1, "layout": "loop",
         "launcher": launcher, "backend": "gloo",
-        "optimizer": f"torch.optim.Adam(lr={settings.lr})",
+        "optimizer": f"Megatron's get_megatron_optimizer: Adam, lr {settings.lr}, fp32, no clipping",
         "update_rule": pipeline.plan.rule.describe(),
         "staleness": staleness(settings),
         "losses": per_step,
@@ -170,6 +169,26 @@ def async_train_rank(rank: int, world_size: int, settings: TrainSettings,
           + "\nwrote "
           + ", ".join(files), flush=True)
     return summary
+
+
+def _megatron_optimizer(chunk, config, lr: float):
+    """Megatron's optimizer (Adam, fp32), as the flushed schedules' ``train`` builds it, over
+    the chunk wrapped in Megatron's DDP (which gives each parameter its ``main_grad``; the
+    versioned work writes each update's gradients there). No gradient clipping: it would
+    all-reduce the norm over the pipeline ranks, which update at different times here."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from ..models import tiny_gpt
+
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=False, overlap_grad_reduce=False, use_distributed_optimizer=False)
+    model = tiny_gpt.wrap_with_ddp([chunk], config, ddp_config)
+    return get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=lr, weight_decay=0.0, clip_grad=0.0, bf16=False,
+                        fp16=False, params_dtype=torch.float32,
+                        use_distributed_optimizer=False),
+        model)
 
 
 def _timelines(schedule, gathered: list[dict]):
