@@ -17,10 +17,12 @@ instead, one call for ``steps`` optimizer batches::
 ``forward_fn(stage, microbatch, call, input_tensor)`` runs one microbatch through the stage:
 ``call(*args, **kwargs)`` is the stage's module run on the weight version the schedule says
 (``input_tensor`` is None on stage 0, which reads its own data); the last stage returns the
-scalar loss. The optimizer is any ``torch.optim.Optimizer`` over this rank's parameters; each
-update steps one stage's parameters with its accumulated gradients (the loss is scaled by
-1 / the microbatches per update). Megatron's own optimizer reads gradients from its DDP
-buffers (``main_grad``), which these schedules do not fill: use a torch optimizer.
+scalar loss. The optimizer is any ``torch.optim.Optimizer`` over this rank's parameters, or
+Megatron's (``get_megatron_optimizer`` over the chunks wrapped in Megatron's DDP; no gradient
+clipping, no fp16 loss scaling: both are collectives that per-stage updates cannot line up);
+each update steps one stage's parameters with its accumulated gradients (written into
+``main_grad`` where Megatron's DDP gave one; the loss is scaled by 1 / the microbatches per
+update), through ``weight_versions.local_step``.
 """
 
 from __future__ import annotations
