@@ -73,7 +73,7 @@ MEGATRON = [("megatron 1f1b", "megatron-1f1b", 1, ("1f1b", 1)),
             ("plugin 1f1b on megatron stage", "plugin-1f1b", 1, ("1f1b", 1))]
 BACK_TO_BACK = ["1f1b", "zb-h1", "zb-h2", "zb-v", "dualpipev", "megatron 1f1b"]
 CROSS_STEP = ["1f1b", "zb-h2", "zb-v"]  # back to back with clipping and loss scaling emulated
-OPTIMIZER_MODES = ("sync", "post-validated")
+OPTIMIZER_MODES = ("sync", "post-validated", "run-ahead")
 
 ROWS, WIDTH = 8, 64  # the emulated activation: 8 x 64 float64 = 4 KiB
 SEQ, MBS = 16, 1  # the fake Megatron model's activation: 16 x 1 x 64 float32 = 4 KiB
@@ -281,7 +281,16 @@ class OptimizerStepEmulation:
             self._device(self.t_copy + self.t_opt)  # restore the snapshot, step again clipped
 
     def before_step(self) -> None:
+        if self.mode == "post-validated":
+            self.settle()
+
+    def after_compute(self) -> bool:
+        """Run ahead: settle the previous step now; True when this step must be replayed."""
+        if self.mode != "run-ahead" or self.pending is None:
+            return False
+        previous = self.pending[1]
         self.settle()
+        return previous in self.rollback_steps
 
     def after_step(self, step: int) -> None:
         if self.mode == "sync":
@@ -438,6 +447,8 @@ def tree(rank: int, world: int, setup: Setup) -> dict:
                     for j in range(setup.k_steps):
                         optimizer.before_step()
                         runners[label]()
+                        if optimizer.after_compute():
+                            runners[label]()  # the replay
                         optimizer.after_step(j)
                         ends.append(time.perf_counter())
                     optimizer.settle()
@@ -555,12 +566,13 @@ def _cross_step_ratios(rows: list) -> None:
 
 def run(p: int, ms, t: float = 0.020, reps: int = 5, back_to_back_ms=(), k_steps: int = 4,
         b2b_reps: int = 3, megatron: bool = True, niceness: int = -20, only=(),
-        timeout_s: float = 900, optimizer_modes=OPTIMIZER_MODES) -> dict:
+        timeout_s: float = 900, optimizer_modes=OPTIMIZER_MODES, rollback_steps=(2,)) -> dict:
     from megatron_pp_ext.train.processes import spawn
 
     setup = Setup(p=p, ms=tuple(ms), t=t, reps=reps, k_steps=k_steps, b2b_reps=b2b_reps,
                   back_to_back_ms=tuple(back_to_back_ms), megatron=megatron, niceness=niceness,
-                  only=tuple(only), optimizer_modes=tuple(optimizer_modes))
+                  only=tuple(only), optimizer_modes=tuple(optimizer_modes),
+                  rollback_steps=tuple(rollback_steps))
     from bench.provenance import utc_now
 
     started = utc_now()
@@ -587,11 +599,15 @@ def cross_step_main(argv=None) -> int:
     parser.add_argument("--b2b-reps", type=int, default=3)
     parser.add_argument("--k-steps", type=int, default=4)
     parser.add_argument("--niceness", type=int, default=-20)
+    parser.add_argument("--rollback-steps", default="2",
+                        help="comma-separated steps (of --k-steps) whose norm is above the clip; "
+                        "'' for none")
     parser.add_argument("--out", default="bench/results/cross_step")
     args = parser.parse_args(argv)
+    rollbacks = tuple(int(x) for x in args.rollback_steps.split(",") if x.strip())
     tree = run(args.p, (args.m,), t=args.t, reps=args.reps, back_to_back_ms=(args.m,),
                k_steps=args.k_steps, b2b_reps=args.b2b_reps, megatron=False,
-               niceness=args.niceness, only=tuple(CROSS_STEP))
+               niceness=args.niceness, only=tuple(CROSS_STEP), rollback_steps=rollbacks)
     from bench.report import cross_step_table
 
     text = "\n".join(cross_step_table([tree]))

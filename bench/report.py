@@ -232,9 +232,12 @@ def cross_step_table(trees: list) -> list[str]:
            "*post-validated*: `integration.post_validation` (reductions posted async, snapshot "
            f"t_copy = {1e3 * first['t_copy']:.0f} ms and the optimistic step at once, settled "
            "before the rank's next step reads its weights; on step(s) "
-           f"{first['rollback_steps']} of {first['k']} the norm is above the clip: restore and "
-           "redo, t_copy + t_opt more). Steady step as back to back; vs 1F1B sync: per-round "
-           "ratio to 1F1B with Megatron's step, median (min-max).", "",
+           f"{first['rollback_steps']} of steps 0-{first['k'] - 1} the norm is above the clip: "
+           "restore and redo, t_copy + t_opt more). *run-ahead*: `post_validation.RunAhead` "
+           "(the next step starts at once on the optimistic weights; the previous step settles "
+           "after its compute; a step after a rolled-back one is replayed). Steady step as back "
+           "to back; vs 1F1B sync: per-round ratio to 1F1B with Megatron's step, median "
+           "(min-max).", "",
            "| p | m | schedule | mode | steady step (ms) | vs 1F1B sync | vs 1F1B same mode | "
            "back to back, no optimizer (ms) | single step, barrier (ms) |",
            "|---|---|---|---|---|---|---|---|---|"]
