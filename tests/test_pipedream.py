@@ -201,3 +201,26 @@ def test_simulated_steady_state_has_no_bubble(name):
     assert "0F31" in text and "3B31" in text
     slow = async_steady_state(name, p, m, CostModel(t_f=1, t_b=2, t_comm=0.5))
     assert state.floor < slow.per_microbatch < slow.flushed_1f1b
+
+
+def test_an_async_schedule_file_is_refused_by_the_drop_in_loader(tmp_path):
+    from megatron_pp_ext.schedules import load_schedule_file
+
+    path = tmp_path / "pd.json"
+    path.write_text(build_async_schedule("pipedream-2bw", 2, 2, steps=2).to_json())
+    with pytest.raises(ScheduleError, match="asynchronous .*AsyncPipeline"):
+        load_schedule_file(str(path))
+
+
+def test_the_builders_and_the_plan_need_no_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "from megatron_pp_ext.schedules import build_async_schedule\n"
+            "from megatron_pp_ext.schedules.pipedream import plan_versions\n"
+            "plan_versions(build_async_schedule('pipedream', 4, 8, vertical_sync=True))\n"
+            "assert 'torch' not in sys.modules, 'torch was imported'\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr

@@ -243,7 +243,7 @@ def async_steady_state(name: str, num_ranks: int, num_microbatches: int,
                        **options) -> AsyncSteadyState:
     """Simulate ``name`` (``pipedream`` or ``pipedream-2bw``) over ``short`` and ``long``
     batches and flushed 1F1B over one step, under the same ``costs`` (full backwards: t_b)."""
-    from ..runtime.weight_versions import plan_versions
+    from ..schedules.pipedream import plan_versions
     from ..schedules import build_async_schedule, build_schedule
 
     if not 1 <= short < long:

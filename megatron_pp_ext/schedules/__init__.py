@@ -124,8 +124,10 @@ def build_async_schedule(name: str, num_ranks: int, num_microbatches: int, steps
     schedule = ASYNC_REGISTRY[key](num_ranks, num_microbatches, steps=steps, **options)
     if validate:
         from ..analysis.validate import validate_schedule
+        from .pipedream import plan_versions
 
         validate_schedule(schedule)
+        plan_versions(schedule)  # every F's version is made before it runs
     return schedule
 
 
@@ -230,6 +232,13 @@ def parse_schedule_file(text: str, path: str, forward_only: bool = False) -> Sch
             schedule, _ = load(text, name=name)
     except ScheduleError as exc:
         raise ScheduleError(f"schedule file {path}: {exc}") from None
+    if schedule.options.get("weight_update"):
+        raise ScheduleError(
+            f"schedule file {path} is asynchronous (its options carry a weight_update rule: "
+            f"{schedule.options['weight_update'].get('rule')}): Megatron's forward_backward_func "
+            "flushes every step and cannot run it; run it with "
+            "megatron_pp_ext.runtime.pipedream.AsyncPipeline(Schedule.from_json(text), ...) "
+            "(docs/pipedream.md)")
     if not schedule.num_stages or not schedule.num_microbatches:
         raise ScheduleError(f"schedule file {path} holds no actions: write one row of compute "
                             "actions per pipeline rank (e.g. 0F0,0F1,0B0,0B1)")
