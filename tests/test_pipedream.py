@@ -224,3 +224,19 @@ def test_the_builders_and_the_plan_need_no_torch():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_install_and_megatron_arguments_refuse_them_before_patching():
+    import argparse
+
+    import megatron_pp_ext
+    from megatron_pp_ext.integration.megatron_args import _schedule_value
+
+    with pytest.raises(ScheduleError, match="flushes every step"):
+        megatron_pp_ext.install(schedule="pipedream")
+    from megatron.core.pipeline_parallel import schedules as megatron_schedules
+
+    assert megatron_schedules.get_forward_backward_func.__module__ == \
+        "megatron.core.pipeline_parallel.schedules"  # not patched
+    with pytest.raises(argparse.ArgumentTypeError, match="asynchronous"):
+        _schedule_value("pipedream-2bw")
