@@ -30,17 +30,19 @@ def test_2bw_and_pipedream_train_the_tiny_gpt(tmp_path):
     runs = {}
     for name, extra in (("1f1b", ["--steps", "1", "--no-trace"]),
                         ("pipedream-2bw", ["--steps", "3"]),
-                        ("pipedream", ["--steps", "3"])):
+                        ("pipedream", ["--steps", "3"]),
+                        ("pipedream-vs", ["--steps", "3", "--vertical-sync", "--no-trace"])):
         out = tmp_path / name
-        proc = _train("--schedule", name, "-p", "2", "-m", "2", "--out", str(out), *extra)
+        proc = _train("--schedule", name.replace("-vs", ""), "-p", "2", "-m", "2", "--out",
+                      str(out), *extra)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         for words in ("UserWarning", "FutureWarning", "Apex is not installed", "deprecated"):
             assert words not in proc.stdout + proc.stderr, words
         runs[name] = (proc, json.loads((out / "summary.json").read_text()))
     first = runs["1f1b"][1]["losses"][0]
-    for name in ("pipedream-2bw", "pipedream"):
+    for name in ("pipedream-2bw", "pipedream", "pipedream-vs"):
         proc, summary = runs[name]
-        assert summary["schedule"] == name and summary["steps"] == 3
+        assert summary["schedule"] == name.replace("-vs", "") and summary["steps"] == 3
         assert len(summary["losses"]) == 3 and len(summary["losses_per_microbatch"]) == 6
         lines = [l for l in proc.stdout.splitlines() if l.startswith("[") and "loss" in l]
         assert len(lines) == 3, proc.stdout
@@ -62,6 +64,11 @@ def test_2bw_and_pipedream_train_the_tiny_gpt(tmp_path):
     pd = runs["pipedream"][1]
     assert pd["versions_held_per_rank"] == [2, 1]
     assert pd["updates_per_stage"] == 6
+    vs = runs["pipedream-vs"][1]
+    assert vs["vertical_sync"] is True and vs["versions_held_per_rank"] == [2, 2]
+    assert "vertical sync" in runs["pipedream-vs"][0].stdout
+    # with vertical sync microbatches 0 and 1 (p = 2) run on the initial weights: 2BW's batch 0
+    assert vs["losses"][0] == pytest.approx(two["losses"][0], rel=1e-6)
     # microbatch 0 runs on the initial weights everywhere: 1F1B's first microbatch's loss
     assert pd["losses_per_microbatch"][0] == pytest.approx(
         two["losses_per_microbatch"][0], rel=1e-6)
