@@ -112,7 +112,8 @@ class UpdateRule:
         if self.vertical_sync:
             return (f"{self.rule} with vertical sync: an update after every backward; every "
                     "stage runs a microbatch on the version it entered the pipeline with")
-        return (f"{self.rule} with weight stashing: an update after every backward; F and B of "
+        every = "every backward" if self.batch == 1 else f"every {self.batch} backwards"
+        return (f"{self.rule} with weight stashing: an update after {every}; F and B of "
                 "a microbatch on a stage use the stage's newest version at its F")
 
 
