@@ -96,6 +96,8 @@ class Setup:
     t_opt_units: float = 0.5  # the optimizer step (Adam over a rank's parameters)
     t_copy_units: float = 0.25  # post-validation's snapshot copy (or its restore)
     rollback_steps: tuple = (2,)  # steps whose global norm is above the clip (of k_steps)
+    timeline_labels: tuple = ()  # cross-step runs traced once for the timeline (CLI: zb-h2)
+    timeline_modes: tuple = ("sync", "run-ahead")
 
 
 def costs_for(t: float, v: int):
@@ -301,13 +303,59 @@ class OptimizerStepEmulation:
             self._device(self.t_copy + self.t_opt)  # snapshot, optimistic step
 
 
+def traced_round(tracer, optimizer: "OptimizerStepEmulation", k: int, m: int, rank: int):
+    """``k`` steps back to back as the cross-step runs make them, every action traced: step j's
+    microbatch i is labelled i + j*m (as ``concatenated``), the optimizer step, the wait for the
+    previous step's reductions and a replay are events of their own. Absolute times."""
+    import torch.distributed as dist
+
+    from megatron_pp_ext.timeline import COMM_WAIT, COMPUTE, Event
+
+    def renumbered(events, j):
+        out = []
+        for e in events or []:
+            if e.category == COMPUTE:
+                action = Action.parse(e.label)
+                label = str(Action(action.stage, action.kind, action.microbatch + j * m))
+            else:
+                label = f"step {j}: {e.label}"
+            out.append(Event(e.rank, label, e.start, e.end, e.category))
+        return out
+
+    events = []
+    dist.barrier()
+    for j in range(k):
+        start = time.perf_counter()
+        optimizer.before_step()
+        if time.perf_counter() - start > 1e-4:
+            events.append(Event(rank, f"wait: step {j - 1} validated", start,
+                                time.perf_counter(), COMM_WAIT))
+        events += renumbered(tracer(), j)
+        start = time.perf_counter()
+        replay = optimizer.after_compute()
+        if time.perf_counter() - start > 1e-4:
+            events.append(Event(rank, f"wait: step {j - 1} validated (run ahead)", start,
+                                time.perf_counter(), COMM_WAIT))
+        if replay:
+            events += renumbered(tracer(), j)
+        start = time.perf_counter()
+        optimizer.after_step(j)
+        events.append(Event(rank, f"opt{j}", start, time.perf_counter(), COMPUTE))
+    optimizer.settle()
+    return events
+
+
 # ------------------------------------------------------------------ one step of each kind
-def plugin_step(schedule: Schedule, rank: int, transport, weights, inputs, costs):
+def plugin_step(schedule: Schedule, rank: int, transport, weights, inputs, costs,
+                trace: bool = False):
+    """One step on the executor; its events when ``trace`` (absolute perf_counter times)."""
     from megatron_pp_ext.runtime.executor import Executor
 
     work = device_work_class()(schedule, rank, weights, inputs, costs)
-    Executor(schedule, rank, transport, work, recv_shape=(ROWS, WIDTH), dtype=torch.float64,
-             device=torch.device("cpu"), timeout_s=120).run()
+    result = Executor(schedule, rank, transport, work, recv_shape=(ROWS, WIDTH),
+                      dtype=torch.float64, device=torch.device("cpu"), timeout_s=120,
+                      trace=trace).run()
+    return result.events if trace else None
 
 
 def megatron_step(function, chunks, m: int, data):
@@ -365,6 +413,7 @@ def tree(rank: int, world: int, setup: Setup) -> dict:
     dist.barrier()
 
     runners = {}  # label -> (callable running one step of this m)
+    tracers = {}  # label -> the same step, returning its traced events (plugin schedules)
     megatron = {}
     if setup.megatron:
         from megatron.core.pipeline_parallel import schedules as mcore
@@ -393,6 +442,8 @@ def tree(rank: int, world: int, setup: Setup) -> dict:
             costs = costs_for(t, v)
             runners[label] = (lambda s=schedule, w=weights, i=inputs, c=costs:
                               plugin_step(s, rank, transport, w, i, c))
+            tracers[label] = (lambda s=schedule, w=weights, i=inputs, c=costs:
+                              plugin_step(s, rank, transport, w, i, c, trace=True))
         for label, key, v, _ in (MEGATRON if setup.megatron else []):
             function, chunks = megatron[key]
             runners[label] = lambda f=function, c=chunks: megatron_step(f, c, m, data)
@@ -455,6 +506,14 @@ def tree(rank: int, world: int, setup: Setup) -> dict:
                     rounds[(label, mode)].append((start, ends))
             for (label, mode), value in rounds.items():
                 out["cross"][(m, label, mode)] = value
+            # one more, untimed, traced round: the timeline of consecutive steps
+            for label, mode in combos:
+                if label in setup.timeline_labels and mode in setup.timeline_modes:
+                    out.setdefault("cross_trace", {})[(m, label, mode)] = traced_round(
+                        tracers[label], OptimizerStepEmulation(
+                            mode, optimizer_group, setup.t_opt_units * t,
+                            setup.t_copy_units * t, setup.rollback_steps),
+                        setup.k_steps, m, rank)
     dist.barrier()
     return out
 
@@ -531,9 +590,12 @@ def summarize(per_rank: list[dict], setup: Setup) -> dict:
                       "t_opt": setup.t_opt_units * t, "t_copy": setup.t_copy_units * t,
                       "rollback_steps": list(setup.rollback_steps), "k": k})
     _cross_step_ratios(cross)
+    timelines = [cross_timeline(per_rank, m, label, mode, k)
+                 for (m, label, mode) in per_rank[0].get("cross_trace", {})]
     return {"p": p, "t": t, "rtt": rtt, "rtt_median": statistics.median(trips), "post": post,
             "t_comm": rtt / 2, "reniced": all(r["reniced"] for r in per_rank), "rows": rows,
-            "back_to_back": b2b, "cross_step": cross}
+            "back_to_back": b2b, "cross_step": cross,
+            **({"cross_timelines": timelines} if timelines else {})}
 
 
 def _v_of(label: str) -> int:
@@ -552,6 +614,21 @@ def _ratios_to_1f1b(rows: list, key: str) -> None:
             row["vs_1f1b"] = statistics.median(row["vs_1f1b_rounds"])
 
 
+def cross_timeline(per_rank: list, m: int, label: str, mode: str, k: int):
+    """The traced cross-step round of every rank as one measured ``Timeline`` (seconds from
+    the first rank's first event)."""
+    from dataclasses import replace
+
+    from megatron_pp_ext.timeline import Timeline
+
+    events = [e for r in per_rank for e in r["cross_trace"][(m, label, mode)]]
+    origin = min(e.start for e in events)
+    events = [replace(e, start=e.start - origin, end=e.end - origin) for e in events]
+    v = _v_of(label)
+    return Timeline(f"{label} x{k} back to back, {mode}", len(per_rank), m * k, v, events,
+                    source="measured", unit="s")
+
+
 def _cross_step_ratios(rows: list) -> None:
     """Per round ratios of each cross-step row to 1F1B with Megatron's synchronous step
     (``vs_1f1b_sync``: what a Megatron-LM run does today) and to 1F1B in the same mode."""
@@ -566,13 +643,14 @@ def _cross_step_ratios(rows: list) -> None:
 
 def run(p: int, ms, t: float = 0.020, reps: int = 5, back_to_back_ms=(), k_steps: int = 4,
         b2b_reps: int = 3, megatron: bool = True, niceness: int = -20, only=(),
-        timeout_s: float = 900, optimizer_modes=OPTIMIZER_MODES, rollback_steps=(2,)) -> dict:
+        timeout_s: float = 900, optimizer_modes=OPTIMIZER_MODES, rollback_steps=(2,),
+        timeline_labels=()) -> dict:
     from megatron_pp_ext.train.processes import spawn
 
     setup = Setup(p=p, ms=tuple(ms), t=t, reps=reps, k_steps=k_steps, b2b_reps=b2b_reps,
                   back_to_back_ms=tuple(back_to_back_ms), megatron=megatron, niceness=niceness,
                   only=tuple(only), optimizer_modes=tuple(optimizer_modes),
-                  rollback_steps=tuple(rollback_steps))
+                  rollback_steps=tuple(rollback_steps), timeline_labels=tuple(timeline_labels))
     from bench.provenance import utc_now
 
     started = utc_now()
@@ -607,12 +685,22 @@ def cross_step_main(argv=None) -> int:
     rollbacks = tuple(int(x) for x in args.rollback_steps.split(",") if x.strip())
     tree = run(args.p, (args.m,), t=args.t, reps=args.reps, back_to_back_ms=(args.m,),
                k_steps=args.k_steps, b2b_reps=args.b2b_reps, megatron=False,
-               niceness=args.niceness, only=tuple(CROSS_STEP), rollback_steps=rollbacks)
+               niceness=args.niceness, only=tuple(CROSS_STEP), rollback_steps=rollbacks,
+               timeline_labels=("zb-h2",))
     from bench.report import cross_step_table
 
     text = "\n".join(cross_step_table([tree]))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    timelines = tree.pop("cross_timelines", [])
+    if timelines:
+        from megatron_pp_ext.analysis.render import render_html
+
+        html_path = out.parent / (out.name + "_timeline.html")
+        html_path.write_text(render_html(
+            timelines, title=f"Consecutive steps, p={args.p}, m={args.m}: Megatron's step "
+            "against run-ahead post-validation (measured, emulated device)"))
+        text += f"\nTimelines: {html_path}"
     out.with_suffix(".json").write_text(json.dumps(tree, indent=1, default=str))
     out.with_suffix(".md").write_text(text + "\n")
     print(text)
