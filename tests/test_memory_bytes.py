@@ -50,8 +50,9 @@ class LinearWork:
         y = x @ self.params[stage]
         self.saved[(stage, mb)] = (x, y)
         if self._last(stage):
-            self.losses[mb] = float(y.detach().sum())
-            return None
+            loss = y.sum()  # saves nothing: its backward needs only the shape
+            self.losses[mb] = float(loss.detach())
+            return loss
         return y
 
     def backward(self, action, output_grad):
@@ -267,16 +268,57 @@ def test_storages_are_counted_once_and_parameters_never():
     plain_weight = torch.randn(WIDTH, WIDTH, dtype=torch.float64, requires_grad=True)
     x = torch.randn(ROWS, WIDTH, dtype=torch.float64, requires_grad=True)
     meter.note_input(x)  # a received stage input: a leaf that requires grad, counted
-    with meter.packing(0, 0):
-        h = x @ w            # saves x and w (w: a parameter, not counted)
-        y = torch.tanh(h @ plain_weight)  # saves h and the plain weight (not counted), y
-        z = (x * 2) @ w      # x's storage again
-    assert meter.saved_bytes[(0, 0)] == 3 * UNIT + UNIT  # x, h, y, and x * 2
+    h = x @ w            # saves x and w (w: a parameter, not counted)
+    y = torch.tanh(h @ plain_weight)  # saves h and the plain weight (not counted), and y
+    z = (x + x) @ w      # add saves nothing; mm saves x + x and w
+    out = y.sum() + z.sum()
+    assert meter.record_forward(0, 0, out) == 4 * UNIT  # x, h, y, x + x
+    assert meter.saved_bytes == {(0, 0): 4 * UNIT}
     assert meter.sample() == 4 * UNIT
-    (y.sum() + z.sum()).backward()
-    assert meter.sample() == 0  # the graph freed its saved tensors
+    out.backward()
+    meter.after_backward(0, 0, BACKWARD_INPUT)  # the graph is freed: nothing stays
+    assert meter.sample() == 0
     assert meter.peak_bytes == 4 * UNIT
     assert unique_bytes([x, x[1:], x.t()]) == UNIT
+
+
+def test_a_saved_parameter_keeps_its_identity():
+    """The measurement reads what autograd saved and changes nothing: a custom Function gets
+    its parameter back as the same object, with its attributes (Megatron's linear sets
+    ``weight.grad_added_to_main_grad`` on it; saved_tensors_hooks would hand back a copy)."""
+    weight = torch.nn.Parameter(torch.randn(WIDTH, WIDTH, dtype=torch.float64))
+    weight.main_grad = torch.zeros_like(weight)
+    seen = []
+
+    class Linear(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, w):
+            ctx.save_for_backward(x, w)
+            return x @ w
+
+        @staticmethod
+        def backward(ctx, grad):
+            x, w = ctx.saved_tensors
+            seen.append(w is weight and hasattr(w, "main_grad"))
+            return grad @ w.t(), x.t() @ grad
+
+    schedule = build_schedule("1f1b", 1, 1)
+
+    class Work(LinearWork):
+        def forward(self, action, input_tensor):
+            x = self.inputs[action.microbatch]  # data, no grad: an activation
+            y = Linear.apply(x, weight).sum()
+            self.saved[(0, action.microbatch)] = (x, y)
+            return y
+
+        def backward(self, action, output_grad):
+            _x, y = self.saved.pop((0, action.microbatch))
+            y.backward()
+
+    ((result, _work),) = run(schedule, work_cls=Work)
+    assert seen == [True]
+    assert result.saved_bytes_per_stage == {0: UNIT}  # x; the parameter is not counted
+    assert result.peak_bytes == UNIT
 
 
 def test_forward_only_and_memory_off_measure_nothing():

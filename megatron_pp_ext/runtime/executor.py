@@ -12,7 +12,6 @@ held activations, keeps a history for timeouts and, when asked, records a trace.
 from __future__ import annotations
 
 import collections
-import contextlib
 import re
 import time
 from dataclasses import dataclass, field
@@ -165,9 +164,10 @@ class Executor:
                     begin(partner)
                 partner_in = self._input_of(i + 1, partner)
                 start = self.clock() if self.trace else 0.0
-                with self._packing(action):
-                    produced, partner_out = self.work.overlapped_forward_backward(
-                        action, incoming, partner, partner_in)
+                produced, partner_out = self.work.overlapped_forward_backward(
+                    action, incoming, partner, partner_in)
+                self._attribute(action, produced)
+                self._attribute(partner, partner_out)
                 self._count(action)
                 self._count(partner)
                 self._record(start, f"{action}+{partner}")
@@ -214,13 +214,13 @@ class Executor:
         return incoming
 
     def _compute(self, action: Action, incoming):
-        with self._packing(action):
-            if action.kind == FORWARD:
-                produced = self.work.forward(action, incoming)
-            elif action.kind == BACKWARD_WEIGHT:
-                produced = self.work.weight(action)
-            else:
-                produced = self.work.backward(action, incoming)
+        if action.kind == FORWARD:
+            produced = self.work.forward(action, incoming)
+        elif action.kind == BACKWARD_WEIGHT:
+            produced = self.work.weight(action)
+        else:
+            produced = self.work.backward(action, incoming)
+        self._attribute(action, produced)
         self._count(action)
         return produced
 
@@ -468,12 +468,14 @@ class Executor:
         self._device_probe = (device_helper.start_memory_probe(self.device)
                               if self._memory is not None else None)
 
-    def _packing(self, action: Action):
-        if self._memory is None or action.kind == BACKWARD_WEIGHT:
-            return contextlib.nullcontext()
+    def _attribute(self, action: Action, produced) -> None:
+        """An F's saved tensors to its (stage, microbatch); released by its B, I or W."""
+        if self._memory is None:
+            return
         if action.kind == FORWARD:
-            return self._memory.packing(action.stage, action.microbatch)
-        return self._memory.packing()  # B / I: a recomputation's saved tensors, for a moment
+            self._memory.record_forward(action.stage, action.microbatch, produced)
+        else:
+            self._memory.after_backward(action.stage, action.microbatch, action.kind)
 
     def _sample_memory(self) -> None:
         if self._memory is None:
@@ -488,5 +490,6 @@ class Executor:
         result.peak_bytes = int(self._memory.peak_bytes)
         result.peak_bytes_parts = dict(self._memory.peak_parts)
         result.saved_bytes_per_stage = self._memory.saved_bytes_per_stage()
+        self._memory.release_all()
         if self._device_probe is not None:
             result.device_peak_bytes = device_helper.allocator_peak_bytes(self.device)

@@ -5,50 +5,51 @@ chunk-activations, +1 at the end of an F, -1 at the end of the B or W that frees
 the simulator's count by construction). :class:`ActivationMemory` measures the same thing in
 BYTES, on the CPU and on a GPU alike:
 
-* **saved tensors**: every F (and every B / I, whose recomputations may save tensors for a
-  moment) runs inside ``torch.autograd.graph.saved_tensors_hooks``. Each tensor autograd packs
-  is wrapped in a small object that the graph holds instead of the tensor; the graph drops it
-  when autograd frees the graph (a B, an I that does not retain it, or the W of a retained
-  graph), so what is live is exactly what the graphs still hold. Parameters are not
-  activations: an ``nn.Parameter``, and any leaf that requires grad and is not one of the
-  stage inputs the executor received (noted with :meth:`ActivationMemory.note_input`), is
-  passed through unwrapped and never counted.
+* **saved tensors**: at the end of every F the executor walks the autograd graph the F built
+  (from its output back to the stage's input and the parameters) and reads the tensors each
+  node saved for its backward: a built-in node's ``_saved_*`` attributes, a custom
+  ``autograd.Function``'s ``saved_tensors`` (Megatron's linears, its activation
+  checkpointing). These are the F's activations, attributed to its (stage, microbatch). They
+  are released by the action that frees the graph: its B; its I where the I frees the graph
+  (Megatron's split: only the W queue keeps what W needs), found after the I by the F's output
+  being gone or, where the work still holds it, by walking its graph again (a freed node
+  refuses to be read); else its W. Only weak references to the outputs are kept: the
+  measurement never keeps a graph alive. Parameters are not activations: an
+  ``nn.Parameter``, and any leaf that requires grad and is not a stage input the executor
+  received (:meth:`ActivationMemory.note_input`), is never counted.
 * **the W queue**: the tensors the pending weight-gradient tasks hold (a linear's input and
   output gradient; TE's stored tensors), from the work's ``held_tensors()``;
 * **waiting arrivals**: tensors received before their action needs them (the inbox's stash)
   and tensors handed between two stages of the same rank, waiting for their consumer.
 
-Bytes are those of unique storages (``untyped_storage().nbytes()``), read when sampled: views
-of one storage count once, a storage shared by a saved tensor, a W task and an arrival counts
-once, and an output that Megatron has pseudo-freed after its send counts as what is left of
-it. The executor samples after every action, after every arrival that lands in the stash and
-after every local hand-over; the peak over those samples is ``StepResult.peak_bytes``. The
-sum is sampled between actions, as the count is: transient tensors inside an action (the
-autograd engine's gradients, a recomputation) are not activations held and are not in it.
+Why a walk and not ``torch.autograd.graph.saved_tensors_hooks``: with hooks installed, every
+saved tensor comes back from ``ctx.saved_tensors`` as a NEW tensor object (autograd wraps what
+the unpack hook returns), so a saved parameter loses its identity and attributes; Megatron's
+linear sets ``weight.grad_added_to_main_grad`` and reads ``weight.main_grad`` on it, and
+Megatron DDP's hooks then find a parameter without a gradient (gradient-accumulation fusion
+with overlap_grad_reduce fails). The walk reads the same saved tensors and changes nothing.
 
-Attribution per (stage, microbatch): the bytes of the unique storages one F packed, read at
-the end of that F (``saved_bytes``), calibrate the simulator's count into bytes
-(:func:`predicted_peak_bytes`).
+Bytes are those of unique storages (``untyped_storage().nbytes()``): views of one storage
+count once, and a storage shared by a saved tensor, a W task and an arrival counts once. The
+executor samples after every action, after every arrival that lands in the stash early and
+after every local hand-over; the peak over those samples is ``StepResult.peak_bytes``. The sum
+is sampled between actions, as the count is: transient tensors inside an action (the autograd
+engine's gradients, a recomputation) are not activations held and are not in it. Tensors a
+custom Function keeps as plain ``ctx`` attributes instead of ``save_for_backward`` are not
+seen.
+
+Attribution per (stage, microbatch): the bytes of the unique storages one F saved
+(``saved_bytes``) calibrate the simulator's count into bytes (:func:`predicted_peak_bytes`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import weakref
 from typing import Iterable, Mapping
 
 import torch
 
-from ..ir import BACKWARD, BACKWARD_WEIGHT, FORWARD, Schedule
-
-
-class _Saved:
-    """What a graph holds instead of a saved tensor; dropped with the graph."""
-
-    __slots__ = ("tensor", "__weakref__")
-
-    def __init__(self, tensor: torch.Tensor):
-        self.tensor = tensor
+from ..ir import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Schedule
 
 
 def storage_key_and_bytes(tensor) -> tuple[tuple, int] | None:
@@ -69,7 +70,7 @@ def storage_key_and_bytes(tensor) -> tuple[tuple, int] | None:
 def unique_bytes(tensors: Iterable) -> int:
     """Bytes of the unique storages of ``tensors`` (non-tensors ignored)."""
     seen: dict[tuple, int] = {}
-    for tensor in tensors:
+    for tensor in _flatten(tensors):
         entry = storage_key_and_bytes(tensor)
         if entry is not None:
             seen[entry[0]] = entry[1]
@@ -84,18 +85,45 @@ def _flatten(items) -> Iterable:
             yield from _flatten(item)
 
 
+_SAVED_ATTRS: dict[type, tuple[str, ...]] = {}  # node type -> its ``_saved_*`` attributes
+
+
+def _saved_accessors(node) -> tuple[str, ...]:
+    kind = type(node)
+    names = _SAVED_ATTRS.get(kind)
+    if names is None:
+        if isinstance(node, torch.autograd.function.BackwardCFunction):
+            names = ("saved_tensors",)
+        else:
+            names = tuple(a for a in dir(node) if a.startswith("_saved_")
+                          and not a.endswith(("_sym_sizes", "_sym_strides", "_sym_argsize",
+                                              "_sym_storage_offset")))
+        _SAVED_ATTRS[kind] = names
+    return names
+
+
+def _read(node, name: str):
+    """The tensors ``node`` saved under ``name``; raises RuntimeError once freed."""
+    value = getattr(node, name)
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for t in _flatten(value)]
+    return []
+
+
 class ActivationMemory:
     """One rank's activation bytes over one step (see the module docstring)."""
 
     def __init__(self):
-        self._live: "weakref.WeakSet[_Saved]" = weakref.WeakSet()
         self._inputs: set[tuple] = set()  # storages of received stage inputs (leaves)
-        self._packing: list[_Saved] | None = None
+        # (stage, mb) -> {storage key: bytes} of the F's saved tensors still held
+        self._held: dict[tuple[int, int], dict[tuple, int]] = {}
+        self._outputs: dict[tuple[int, int], list] = {}  # (stage, mb) -> weakrefs to outputs
         self.saved_bytes: dict[tuple[int, int], int] = {}  # (stage, mb) -> bytes its F saved
         self.peak_bytes = 0
         self.peak_parts = {"saved": 0, "w_queue": 0, "waiting": 0}
 
-    # ------------------------------------------------------------------ packing
     def note_input(self, tensor) -> None:
         """A stage input received (or handed over) by the executor: an activation even though
         it is a leaf that requires grad."""
@@ -103,45 +131,81 @@ class ActivationMemory:
         if entry is not None:
             self._inputs.add(entry[0])
 
-    def _pack(self, tensor):
+    def _is_activation(self, tensor: torch.Tensor) -> bool:
         if isinstance(tensor, torch.nn.Parameter):
-            return tensor
+            return False
         if tensor.is_leaf and tensor.requires_grad:
             entry = storage_key_and_bytes(tensor)
-            if entry is None or entry[0] not in self._inputs:
-                return tensor  # a weight (not an nn.Parameter): not an activation
-        saved = _Saved(tensor)
-        self._live.add(saved)
-        if self._packing is not None:
-            self._packing.append(saved)
-        return saved
+            return entry is not None and entry[0] in self._inputs
+        return True
 
-    @staticmethod
-    def _unpack(saved):
-        return saved.tensor if isinstance(saved, _Saved) else saved
+    # ------------------------------------------------------------------ attribution
+    def record_forward(self, stage: int, microbatch: int, outputs) -> int:
+        """Walk the graph of an F's ``outputs``: its saved tensors, attributed to (stage,
+        microbatch). Returns their bytes (unique storages)."""
+        tensors = [t for t in _flatten([outputs]) if t.grad_fn is not None]
+        held = self._walk(tensors)
+        self._held[(stage, microbatch)] = held
+        self._outputs[(stage, microbatch)] = [weakref.ref(t) for t in tensors]
+        total = sum(held.values())
+        self.saved_bytes[(stage, microbatch)] = total
+        return total
 
-    @contextlib.contextmanager
-    def packing(self, stage: int | None = None, microbatch: int | None = None):
-        """Around an F (``stage`` and ``microbatch`` given: its saved bytes are attributed to
-        it) or a B / I (nothing attributed)."""
-        record = stage is not None
-        outer, self._packing = self._packing, ([] if record else None)
-        try:
-            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-                yield
-            if record:
-                self.saved_bytes[(stage, microbatch)] = unique_bytes(
-                    s.tensor for s in self._packing)
-        finally:
-            self._packing = outer
+    def _walk(self, tensors) -> dict[tuple, int]:
+        """{storage key: bytes} of the activations saved in the graph behind ``tensors``."""
+        roots = [t.grad_fn for t in tensors]
+        held: dict[tuple, int] = {}
+        seen: set[int] = set()
+        visited = []  # alive for the walk: a node's Python object (and id) is not reused
+        stack = list(roots)
+        while stack:
+            node = stack.pop()
+            if node is None or id(node) in seen:
+                continue
+            seen.add(id(node))
+            visited.append(node)
+            for name in _saved_accessors(node):
+                try:
+                    tensors = _read(node, name)
+                except Exception:  # noqa: BLE001 - freed, or modified in place: not held
+                    continue
+                for tensor in tensors:
+                    if self._is_activation(tensor):
+                        entry = storage_key_and_bytes(tensor)
+                        if entry is not None:
+                            held[entry[0]] = entry[1]
+            for child, _index in getattr(node, "next_functions", ()):
+                if child is not None and id(child) not in seen:
+                    stack.append(child)
+        return held
+
+    def after_backward(self, stage: int, microbatch: int, kind: str) -> None:
+        """After a B or W: the F's saved tensors are released. After an I: those the I freed
+        (a graph freed by the backward refuses to be read) are released, the rest stay until
+        the W (a graph the work retained)."""
+        key = (stage, microbatch)
+        if key not in self._held:
+            return
+        if kind in (BACKWARD, BACKWARD_WEIGHT):
+            self._held.pop(key)
+            self._outputs.pop(key, None)
+            return
+        if kind != BACKWARD_INPUT:
+            return
+        alive = [t for t in (ref() for ref in self._outputs.get(key, ())) if t is not None
+                 and t.grad_fn is not None]
+        readable = self._walk(alive) if alive else {}
+        self._held[key] = {k: b for k, b in self._held[key].items() if k in readable}
 
     # ------------------------------------------------------------------ sampling
     def sample(self, w_queue: Iterable = (), waiting: Iterable = ()) -> int:
         """Bytes held now (saved tensors, the W queue, waiting arrivals: unique storages);
         updates the peak and its parts."""
         seen: dict[tuple, tuple[int, str]] = {}
-        for part, tensors in (("saved", [s.tensor for s in list(self._live)]),
-                              ("w_queue", _flatten(w_queue)), ("waiting", _flatten(waiting))):
+        for held in self._held.values():
+            for storage, nbytes in held.items():
+                seen.setdefault(storage, (nbytes, "saved"))
+        for part, tensors in (("w_queue", _flatten(w_queue)), ("waiting", _flatten(waiting))):
             for tensor in tensors:
                 entry = storage_key_and_bytes(tensor)
                 if entry is not None and entry[0] not in seen:
@@ -158,9 +222,14 @@ class ActivationMemory:
     def saved_bytes_per_stage(self) -> dict[int, int]:
         """Bytes one F saved, per stage: the lowest-numbered microbatch's F of each stage."""
         out: dict[int, int] = {}
-        for (stage, mb) in sorted(self.saved_bytes, key=lambda k: (k[0], k[1])):
+        for (stage, mb) in sorted(self.saved_bytes):
             out.setdefault(stage, self.saved_bytes[(stage, mb)])
         return out
+
+    def release_all(self) -> None:
+        """Drop every reference to the step's graphs (end of the step)."""
+        self._held.clear()
+        self._outputs.clear()
 
 
 # ---------------------------------------------------------------------- prediction in bytes
