@@ -63,12 +63,16 @@ several chained optimizers (MoE), separate grad-norm groups, precision-aware opt
 
 from __future__ import annotations
 
+import collections
 import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+
+
+HISTORY = 1024  # StepOutcome's kept per optimizer
 
 
 @dataclass
@@ -260,10 +264,10 @@ class PostValidatedOptimizer:
         object.__setattr__(self, "_leaf", leaf)
         object.__setattr__(self, "_chained", chained)
         object.__setattr__(self, "_pending", None)
-        object.__setattr__(self, "history", [])  # StepOutcome per step
+        # the outcomes of the last steps (bounded: a run has millions of steps)
+        object.__setattr__(self, "history", collections.deque(maxlen=HISTORY))
         object.__setattr__(self, "last_snapshot_bytes", 0)
         object.__setattr__(self, "run_ahead", False)  # set by RunAhead
-        object.__setattr__(self, "scale_used", None)  # loss scale the pending step ran with
 
     # ---- forwarding
     @property
