@@ -17,8 +17,9 @@ Reported per schedule: time per microbatch (the whole run / microbatches: measur
 predicted by ``analysis.simulate``, which also gives the steady state without fill and drain),
 the floor (``t_F + t_B``: no rank ever idle), weight versions held per rank and their bytes
 (each version a full copy of the stage's weights; 1F1B keeps one: the parameters), and peak
-activations per rank with their bytes (each held microbatch keeps its stage's input,
-rows x width floats). Writes ``bench/results/pipedream.{md,json,png}``::
+activations per rank with their bytes as the executor measures them (``runtime.memory``: the
+saved tensors of the in-flight microbatches; a toy stage saves its input and its output,
+2 x rows x width floats a microbatch). Writes ``bench/results/pipedream.{md,json,png}``::
 
     .venv/bin/python -m bench.pipedream            # p=4, m=8, 4 batches, t_F=20 ms, t_B=40 ms
 """
@@ -127,7 +128,7 @@ def _rank(rank: int, world: int, cfg: Config) -> dict:
             optimizer = torch.optim.SGD(module.parameters(), lr=cfg.lr)
             dist.barrier()
             start = time.perf_counter()
-            held, stashed, peak = 1, 0, 0
+            held, stashed, peak, peak_bytes = 1, 0, 0, 0
             finished: list[float] = []
             if name == "1f1b":
                 schedule = _flushed_1f1b(cfg.p, cfg.m)
@@ -136,17 +137,20 @@ def _rank(rank: int, world: int, cfg: Config) -> dict:
                         dist.barrier()
                     work, result = run(schedule, module, optimizer, step * cfg.m)
                     peak = max(peak, result.peak_activations)
+                    peak_bytes = max(peak_bytes, getattr(result, "peak_bytes", None) or 0)
             else:
                 schedule = build_async_schedule(name, cfg.p, cfg.m, steps=cfg.steps, **options)
                 work, result = run(schedule, module, optimizer, 0)
                 held, stashed = work.max_versions_held(), work.max_stashed_bytes()
                 peak = result.peak_activations
+                peak_bytes = getattr(result, "peak_bytes", None) or 0
             end = time.perf_counter()
             times = [None] * world
             dist.all_gather_object(times, (start, end))
             seconds = max(e for _, e in times) - min(s for s, _ in times)
             entry = out.setdefault(label, {"seconds": [], "steady": [], "held": held,
-                                           "stashed": stashed, "peak": peak})
+                                           "stashed": stashed, "peak": peak,
+                                           "peak_bytes": peak_bytes})
             entry["seconds"].append(seconds)
             # steady state on this rank: from the end of batch 0's last backward to the end
             # of the last batch's, per microbatch (the fill before and the drain after excluded)
@@ -190,7 +194,6 @@ def main(argv=None) -> int:
     predicted = _predicted(cfg)
     floor = cfg.t_f + cfg.t_b
     version_bytes = cfg.width * cfg.width * 8
-    activation_bytes = cfg.rows * cfg.width * 8
     rows = []
     for label, _name, _options in RUNS:
         seconds = statistics.median(ranks[0][label]["seconds"])
@@ -207,7 +210,9 @@ def main(argv=None) -> int:
             "versions_held_per_rank": held,
             "weight_version_bytes_per_rank": [h * version_bytes for h in held],
             "peak_activations_per_rank": [r[label]["peak"] for r in ranks],
-            "activation_bytes_per_rank": [r[label]["peak"] * activation_bytes for r in ranks],
+            # the executor's measured peak of saved-tensor bytes (runtime/memory.py; weight
+            # versions, leaves that require grad, are not activations and not counted)
+            "activation_bytes_per_rank": [r[label]["peak_bytes"] for r in ranks],
             "runs_seconds": ranks[0][label]["seconds"],
         })
     out = Path(args.out)
@@ -236,13 +241,14 @@ def _markdown(cfg: Config, rows: list[dict]) -> str:
         f"microbatches per optimizer batch, {cfg.steps} batches, t_F = {1000 * cfg.t_f:g} ms, "
         f"t_B = {1000 * cfg.t_b:g} ms (sleeps), one toy stage per rank ({cfg.width} x "
         f"{cfg.width} float64 weights = {cfg.width * cfg.width * 8 / 1024:.0f} KiB a version; "
-        f"a held activation {cfg.rows} x {cfg.width} float64 = "
-        f"{cfg.rows * cfg.width * 8 / 1024:.0f} KiB), SGD, median of {cfg.reps} runs. "
+        f"a held microbatch saves its input and output, 2 x {cfg.rows} x {cfg.width} float64 = "
+        f"{2 * cfg.rows * cfg.width * 8 / 1024:.0f} KiB, as the executor measures it), SGD, "
+        f"median of {cfg.reps} runs. "
         f"Floor: t_F + t_B = {1000 * (cfg.t_f + cfg.t_b):g} ms per microbatch.",
         "",
         "| schedule | ms per microbatch, whole run (measured) | predicted | steady state "
         "(measured) | predicted | floor | weight versions per rank | their KiB per rank | peak activations per "
-        "rank | their KiB per rank |",
+        "rank | their KiB per rank (measured) |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:

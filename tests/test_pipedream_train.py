@@ -62,6 +62,10 @@ def test_2bw_and_pipedream_train_the_tiny_gpt(tmp_path):
     assert two["versions_held_per_rank"] == [2, 2]
     assert two["updates_per_stage"] == 3
     pd = runs["pipedream"][1]
+    # the same 1F1B order holds the same activations: the executor's measured saved-tensor
+    # bytes (the weight versions are not activations) are 1F1B's
+    assert pd["peak_activation_bytes"] == pytest.approx(
+        runs["1f1b"][1]["peak_activation_bytes"], rel=1e-3)
     assert pd["versions_held_per_rank"] == [2, 1]
     assert pd["updates_per_stage"] == 6
     vs = runs["pipedream-vs"][1]

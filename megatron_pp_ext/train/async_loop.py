@@ -119,6 +119,9 @@ def async_train_rank(rank: int, world_size: int, settings: TrainSettings,
             "stashed_weight_bytes": result.max_stashed_bytes,
             "parameter_bytes": sum(q.numel() * q.element_size() for q in chunk.parameters()),
             "peak_activations": result.step.peak_activations,
+            # the executor's measured saved-tensor bytes (runtime.memory; weight versions,
+            # leaves that require grad, are not counted); None where not measured
+            "peak_activation_bytes": getattr(result.step, "peak_bytes", None),
             "planned_versions_held": pipeline.plan.max_held[pp_rank]}
     if settings.trace:
         mine["events"] = result.step.events
@@ -145,6 +148,7 @@ def async_train_rank(rank: int, world_size: int, settings: TrainSettings,
         "stashed_weight_bytes_per_rank": [g["stashed_weight_bytes"] for g in gathered],
         "parameter_bytes_per_rank": [g["parameter_bytes"] for g in gathered],
         "peak_activations": [g["peak_activations"] for g in gathered],
+        "peak_activation_bytes": [g["peak_activation_bytes"] for g in gathered],
         "seconds_pipeline": seconds,
         "seconds_per_microbatch": seconds / (m * steps),
         "seconds_total": time.perf_counter() - started,
@@ -163,6 +167,8 @@ def async_train_rank(rank: int, world_size: int, settings: TrainSettings,
           f"microbatch; weight versions per rank {summary['versions_held_per_rank']} "
           f"({', '.join(f'{b / 2**20:.2f}' for b in summary['stashed_weight_bytes_per_rank'])}"
           f" MiB stashed); peak activations {summary['peak_activations']}"
+          + (" (" + ", ".join(f"{b / 2**20:.1f}" for b in summary["peak_activation_bytes"])
+             + " MiB)" if all(b is not None for b in summary["peak_activation_bytes"]) else "")
           + (f"; bubble of the whole run (one fill and one drain) {100 * measured.bubble_fraction:.1f}%"
              f" measured / {100 * predicted.bubble_fraction:.1f}% predicted from the measured "
              "costs" if measured is not None else "")
