@@ -332,3 +332,11 @@ def test_format_bytes_iec():
     assert format_bytes_iec(2048) == "2.0 KiB"
     assert format_bytes_iec(3 * 1024 ** 2) == "3.0 MiB"
     assert format_bytes_iec(5 * 1024 ** 3) == "5.0 GiB"
+
+
+def test_the_environment_turns_the_measurement_off(monkeypatch):
+    schedule = build_schedule("1f1b", 2, 4)
+    monkeypatch.setenv("MEGATRON_PP_EXT_MEMORY", "0")
+    assert all(r.peak_bytes is None for r, _ in run(schedule, memory=None))
+    monkeypatch.setenv("MEGATRON_PP_EXT_MEMORY", "1")
+    assert [r.peak_bytes for r, _ in run(schedule, memory=None)] == [2 * UNIT, UNIT]

@@ -71,6 +71,14 @@ class StepResult:
     device_peak_bytes: int | None = None
 
 
+def memory_measured() -> bool:
+    """Whether executors measure activation bytes by default (MEGATRON_PP_EXT_MEMORY)."""
+    import os
+
+    return os.environ.get("MEGATRON_PP_EXT_MEMORY", "1").strip().lower() not in (
+        "0", "false", "no", "off")
+
+
 class PeerLostError(PipelineTimeoutError):
     """The transport lost its connection to a peer (gloo: "Connection closed by peer" when the
     peer's process died): raised at once instead of a timeout, naming the same things."""
@@ -105,7 +113,7 @@ class Executor:
                  trace: bool = False, clock: Callable[[], float] = time.perf_counter,
                  timers=None, incoming: dict[int, list[Message]] | None = None,
                  lockstep: LockstepPosting | None = None, post_ahead: bool = False,
-                 memory: bool = True):
+                 memory: bool | None = None):
         self.schedule, self.rank, self.transport, self.work = schedule, rank, transport, work
         # What each peer sends this rank, in its order (a caller running many steps of one
         # schedule passes it in, derived once).
@@ -135,7 +143,10 @@ class Executor:
         # DualPipeV's F&B pairs run in one call when the work (the model) offers one.
         self.overlap = bool(schedule.options.get("overlapped_pairs")) and callable(
             getattr(work, "overlapped_forward_backward", None))
-        self.measure_memory = memory  # activation bytes (runtime/memory.py)
+        # activation bytes (runtime/memory.py): on unless memory=False, or, when not given,
+        # MEGATRON_PP_EXT_MEMORY=0 in the environment (the walk costs ~0.15 ms of host time
+        # per layer and F)
+        self.measure_memory = memory_measured() if memory is None else memory
 
     def run(self) -> StepResult:
         self._history = collections.deque(maxlen=32)  # the last actions, for errors
