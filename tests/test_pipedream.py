@@ -19,6 +19,8 @@ from megatron_pp_ext.schedules import (
 from support.pipedream import final_weights, reference_2bw, reference_pipedream, run_async
 
 SIZES = [(2, 2, 3), (3, 4, 2), (4, 4, 3), (4, 6, 2)]  # (p, m, steps)
+# PipeDream also runs m < p (its updates are per microbatch) and p = 1 (plain SGD)
+PIPEDREAM_SIZES = SIZES + [(4, 2, 3), (1, 3, 2)]
 
 
 def _versions(results):
@@ -93,7 +95,7 @@ def test_plan_counts_the_papers_versions():
 
 
 # ------------------------------------------------------------------------ semantics in a run
-@pytest.mark.parametrize("p,m,steps", SIZES)
+@pytest.mark.parametrize("p,m,steps", PIPEDREAM_SIZES)
 def test_stashing_f_and_b_use_the_same_version(p, m, steps):
     schedule = build_async_schedule("pipedream", p, m, steps=steps)
     results = run_async(schedule)
@@ -110,7 +112,7 @@ def test_stashing_f_and_b_use_the_same_version(p, m, steps):
         assert work.updates == total
 
 
-@pytest.mark.parametrize("p,m,steps", SIZES)
+@pytest.mark.parametrize("p,m,steps", PIPEDREAM_SIZES)
 def test_vertical_sync_every_stage_uses_the_entry_version(p, m, steps):
     schedule = build_async_schedule("pipedream", p, m, steps=steps, vertical_sync=True)
     results = run_async(schedule)
@@ -139,7 +141,7 @@ def test_2bw_two_versions_one_batch_late(p, m, steps):
         assert work.updates == steps
 
 
-@pytest.mark.parametrize("p,m,steps", SIZES)
+@pytest.mark.parametrize("p,m,steps", PIPEDREAM_SIZES)
 @pytest.mark.parametrize("vertical_sync", [False, True])
 def test_pipedream_weights_equal_the_papers_update_rule(p, m, steps, vertical_sync):
     schedule = build_async_schedule("pipedream", p, m, steps=steps, vertical_sync=vertical_sync)
