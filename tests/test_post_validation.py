@@ -87,7 +87,8 @@ def test_refusals():
 
 # ------------------------------------------------------------------ running ahead (RunAhead)
 RUN_AHEAD = [("fp16", False, "zb-h2", INF_STEP), ("fp16", True, "1f1b", INF_STEP),
-             ("bf16", True, "zb-h1", None), ("fp32", False, "1f1b", None)]
+             ("bf16", True, "zb-h1", None), ("fp32", False, "1f1b", None),
+             ("fp32", False, "zb-v", None)]
 
 
 @pytest.mark.parametrize("precision,distributed,schedule,inf_step", RUN_AHEAD,
@@ -97,9 +98,11 @@ def test_run_ahead_bit_identical(precision, distributed, schedule, inf_step):
     """Step k+1 runs on step k's optimistic weights before step k is validated; a step after
     a rolled-back one (clipped, overflowed) or after a loss-scale change is replayed with the
     same microbatches. Losses of every step and the whole state after every step equal
-    Megatron's synchronous loop."""
+    Megatron's synchronous loop. zb-v: the V layout, two chunks per rank, one recorded
+    iterator per chunk."""
     results = _run(precision=precision, distributed=distributed, schedule=schedule,
-                   inf_step=inf_step, run_ahead=True)
+                   inf_step=inf_step, run_ahead=True,
+                   layout="v" if schedule == "zb-v" else "loop")
     for r in results:
         assert r["mismatches"] == [[]] * len(CLIPS), (r["rank"], r["mismatches"])
         assert [x["megatron"] for x in r["pv"]] == r["ref"]

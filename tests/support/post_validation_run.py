@@ -38,16 +38,18 @@ def _patch_for_cpu() -> None:
     torch.tensor = _on_cpu(torch.tensor)
 
 
-def _build(cfg, pp: int, precision: str, distributed: bool, lr: float, loss_scale_window: int):
+def _build(cfg, pp: int, precision: str, distributed: bool, lr: float, loss_scale_window: int,
+           vp=None, layout: str = "loop"):
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer.module import Float16Module
 
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[precision]
     config = tiny_gpt.make_transformer_config(
-        cfg, pp, None, fp16=precision == "fp16", bf16=precision == "bf16",
+        cfg, pp, vp, fp16=precision == "fp16", bf16=precision == "bf16",
         params_dtype=dtype, pipeline_dtype=dtype)
-    chunks = tiny_gpt.build_model_chunks(cfg, vp_size=None, config=config, wrap_ddp=False)
+    chunks = tiny_gpt.build_model_chunks(cfg, vp_size=vp, layout=layout, config=config,
+                                         wrap_ddp=False)
     if precision != "fp32":
         chunks = [Float16Module(config, chunk) for chunk in chunks]
     ddp_config = DistributedDataParallelConfig(
@@ -122,8 +124,8 @@ def run_post_validation(rank: int, world_size: int, pp: int = 2, precision: str 
                         clips: Sequence[float] = (), inf_step: int | None = None,
                         num_microbatches: int = 4, lr: float = 1e-2,
                         loss_scale_window: int = 2,
-                        without_restore: bool = False, run_ahead: bool = False
-                        ) -> dict[str, Any]:
+                        without_restore: bool = False, run_ahead: bool = False,
+                        layout: str = "loop") -> dict[str, Any]:
     from megatron.core import parallel_state
 
     from megatron_pp_ext.integration.forward_backward import ScheduleFunction
@@ -136,9 +138,12 @@ def run_post_validation(rank: int, world_size: int, pp: int = 2, precision: str 
 
         post_validation._Snapshot.restore = lambda self, leaf: None
     cfg = tiny_gpt.TinyGPTConfig(loss_mask_drop=0.0)
-    init_megatron(pp, None, seed=cfg.seed)
-    ref_model, ref_opt, _ = _build(cfg, pp, precision, distributed, lr, loss_scale_window)
-    pv_model, pv_base, _ = _build(cfg, pp, precision, distributed, lr, loss_scale_window)
+    vp = 2 if layout == "v" else None  # the V layout: 2 chunks per rank (zb-v, dualpipev)
+    init_megatron(pp, vp, seed=cfg.seed)
+    ref_model, ref_opt, _ = _build(cfg, pp, precision, distributed, lr, loss_scale_window,
+                                   vp, layout)
+    pv_model, pv_base, _ = _build(cfg, pp, precision, distributed, lr, loss_scale_window,
+                                  vp, layout)
     pv_opt = PostValidatedOptimizer(pv_base)
     function = ScheduleFunction(schedule)
     dp_rank = parallel_state.get_data_parallel_rank()
@@ -149,8 +154,8 @@ def run_post_validation(rank: int, world_size: int, pp: int = 2, precision: str 
         batches = tiny_gpt.mock_batches(cfg, num_microbatches, seed=100 * step + dp_rank)
         for chunk in model:
             chunk.zero_grad_buffer()
-        function(forward_step_func=tiny_gpt.forward_step_func, data_iterator=iter(batches),
-                 model=model, num_microbatches=num_microbatches, seq_length=cfg.seq_length,
+        function(forward_step_func=tiny_gpt.forward_step_func,
+                 data_iterator=_iterators(batches, model), model=model, num_microbatches=num_microbatches, seq_length=cfg.seq_length,
                  micro_batch_size=cfg.micro_batch_size)
         if step == inf_step and last_stage:  # an fp16 overflow in one parameter's gradient
             param = next(p for p in model[0].parameters() if p.requires_grad)
@@ -198,6 +203,13 @@ def run_post_validation(rank: int, world_size: int, pp: int = 2, precision: str 
             "wrapped": type(pv_base).__name__}
 
 
+def _iterators(batches, model):
+    """One iterator over the microbatches per model chunk (every chunk reads each one)."""
+    if len(model) == 1:
+        return iter(batches)
+    return [iter(batches) for _ in model]
+
+
 def _losses(output) -> list[float]:
     return [float(d["lm loss"]) for d in output or []]
 
@@ -235,12 +247,13 @@ def _run_ahead(cfg, function, ref_model, ref_opt, pv_model, run, clips, inf_step
             ref_opt.zero_grad()
             for chunk in ref_model:
                 chunk.zero_grad_buffer()
-            ref_losses.append(_losses(function(data_iterator=iter(batches_of(k)),
+            ref_losses.append(_losses(function(data_iterator=_iterators(batches_of(k), ref_model),
                                                model=ref_model, **kwargs)))
             inject(ref_model, k)
             ref_results.append([_plain(v) for v in ref_opt.step()])
             ref_states.append(_state_of(ref_model, ref_opt))
-            output, outcome, again = run.forward_backward(injecting(k), iter(batches_of(k)),
+            output, outcome, again = run.forward_backward(injecting(k),
+                                                          _iterators(batches_of(k), pv_model),
                                                           **kwargs)
             pv_losses.append(_losses(output))
             replayed.append(again)
