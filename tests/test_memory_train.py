@@ -64,6 +64,7 @@ def test_summary_has_peak_bytes_per_rank(runs):
     # the timeline's table and the Chrome trace
     page = (folder / "timeline.html").read_text()
     assert "peak activation bytes (measured)" in page
+    assert "peak activation bytes (predicted)" in page  # the simulator's count in bytes
     assert f'title="{peak[0]} bytes"' in page
     trace = json.loads((folder / "trace.json").read_text())
     assert trace["otherData"]["peak_bytes"] == peak

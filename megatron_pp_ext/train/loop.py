@@ -159,6 +159,9 @@ def train_rank(rank: int, world_size: int, settings: TrainSettings, launcher: st
         "settings": settings.to_dict(),
         "seconds_total": time.perf_counter() - started,
     }
+    if predicted is not None and summary.get("peak_activation_bytes_predicted"):
+        # the predicted timeline's table shows the simulator's count in bytes beside it
+        predicted.peak_bytes = list(summary["peak_activation_bytes_predicted"])
     files = write_outputs(settings.out, summary, predicted, measurement.timeline)
     summary["files"] = files
     print(_closing_line(summary, files), flush=True)
