@@ -14,9 +14,10 @@ attributes it replaced, which ``uninstall()`` puts back. The only process-wide p
 split-backward schedules (Megatron's linear-layer backward) is entered and left by each step
 itself (``runtime.wgrad.deferring_linear_backward``), so none outlives a step.
 
-With ``post_validate=True`` the installation also replaces ``get_megatron_optimizer`` where
-``megatron.training`` bound it, so the optimizer ``setup_model_and_optimizer`` builds comes back
-wrapped in ``post_validation.PostValidatedOptimizer``; ``uninstall()`` (or installing again
+With ``post_validate=True`` the installation also replaces ``get_megatron_optimizer`` wherever
+a ``megatron`` module bound it (``megatron.core.optimizer`` itself and ``megatron.training``), so
+the optimizer ``setup_model_and_optimizer`` builds comes back wrapped in
+``post_validation.PostValidatedOptimizer``; ``uninstall()`` (or installing again
 without it) puts the factory back.
 """
 
@@ -90,9 +91,9 @@ class Installation:
             return post_validated(original(*args, **kwargs))
 
         get_megatron_optimizer.post_validated = True
+        # every binding, the library's own name too: a module imported later binds the wrapper
         for module_name, module in list(sys.modules.items()):
-            if module is None or not module_name.startswith("megatron") or \
-                    module is megatron_optimizer:
+            if module is None or not module_name.startswith("megatron"):
                 continue
             for name, value in list(vars(module).items()):
                 if value is original:
@@ -125,9 +126,9 @@ def install(schedule: str | None = None, **options) -> Installation:
     loop or V layout, NCCL's rules), before anything is patched; each step then checks that
     its pipeline size, microbatch count and model chunks are the file's. Options: chunks,
     max_pending_backward, microbatch_group_size_per_vp_stage, p2p_timeout_s,
-    first_step_timeout_s, trace, post_validate (wrap the optimizer ``megatron.training``
-    builds in ``post_validation.PostValidatedOptimizer``; import ``megatron.training`` before
-    installing). Installing again switches the active installation to the new options (a
+    first_step_timeout_s, trace, post_validate (``get_megatron_optimizer`` then returns its
+    optimizer wrapped in ``post_validation.PostValidatedOptimizer``, for ``megatron.training``
+    and any other caller). Installing again switches the active installation to the new options (a
     change starts afresh) and returns it."""
     global _current
     active = PipelineOptions.from_kwargs(schedule, **options)  # bad input: nothing patched
