@@ -20,7 +20,6 @@ flag); nothing else here stands in for CUDA beyond the CPU shims ``init_megatron
 
 from __future__ import annotations
 
-import copy
 from typing import Any, Sequence
 
 import torch
@@ -155,7 +154,8 @@ def run_post_validation(rank: int, world_size: int, pp: int = 2, precision: str 
         for chunk in model:
             chunk.zero_grad_buffer()
         function(forward_step_func=tiny_gpt.forward_step_func,
-                 data_iterator=_iterators(batches, model), model=model, num_microbatches=num_microbatches, seq_length=cfg.seq_length,
+                 data_iterator=_iterators(batches, model), model=model,
+                 num_microbatches=num_microbatches, seq_length=cfg.seq_length,
                  micro_batch_size=cfg.micro_batch_size)
         if step == inf_step and last_stage:  # an fp16 overflow in one parameter's gradient
             param = next(p for p in model[0].parameters() if p.requires_grad)
@@ -264,7 +264,8 @@ def _run_ahead(cfg, function, ref_model, ref_opt, pv_model, run, clips, inf_step
                                "rolled_back": outcome.rolled_back, "redone": outcome.redone,
                                "found_inf": outcome.found_inf, "clipped": outcome.clipped})
             if k < steps:  # compare before step k's optimizer step
-                mismatches.append(_differences(ref_states[k - 1], _state_of(pv_model, run.optimizer)))
+                mismatches.append(_differences(ref_states[k - 1],
+                                               _state_of(pv_model, run.optimizer)))
         if k < steps:
             run.optimizer.config.clip_grad = clips[k]
             run.optimizer_step()
