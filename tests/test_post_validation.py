@@ -137,14 +137,14 @@ def test_pretrain_flag_bit_identical_to_megatron_step():
     --bf16 --use-distributed-optimizer --clip-grad 1.0 --overlap-grad-reduce, 5 iterations):
     the optimizer the loop builds is post-validated, clipping triggers on some steps and not
     on others (so both the kept and the redone path run), and losses and grad norms are
-    Megatron's own, bit for bit (the plugin's 1f1b runs Megatron's order)."""
+    Megatron's own, bit for bit (zb-h2 keeps Megatron's order of arithmetic)."""
     from support.megatron_loop import merge_history, pretrain_argv, run_pretrain
     from support.post_validation_pretrain import run_pretrain_reporting_post_validation
 
     iters = 5
     reference = merge_history(spawn(4, run_pretrain, pretrain_argv(pp=2, dp=2, iters=iters),
                                     timeout_s=TIMEOUT))
-    argv = pretrain_argv(pp=2, dp=2, schedule="1f1b", iters=iters,
+    argv = pretrain_argv(pp=2, dp=2, schedule="zb-h2", iters=iters,
                          extra=["--pp-post-validate"])
     results = spawn(4, run_pretrain_reporting_post_validation, argv, timeout_s=TIMEOUT)
     out = merge_history(results)
