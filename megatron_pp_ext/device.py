@@ -14,6 +14,10 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+def current_cuda_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device())
+
+
 def backend_of(group=None) -> str:
     """The backend that carries the pipeline's tensors over ``group``: "nccl", "gloo", ...
 
@@ -44,7 +48,7 @@ def _backends_by_device(group=None) -> dict[str, str]:
 def comm_device(group=None) -> torch.device:
     """Device of the tensors exchanged over ``group``: the current GPU under NCCL, else CPU."""
     if backend_of(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
+        return current_cuda_device()
     return torch.device("cpu")
 
 

@@ -212,8 +212,10 @@ def _device(leaf) -> torch.device:
     the current CUDA device, else the CPU)."""
     for param in leaf.get_parameters():
         return param.device
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
+    from .. import device as device_helper
+
+    if device_helper.cuda_available():
+        return device_helper.current_cuda_device()
     return torch.device("cpu")
 
 
