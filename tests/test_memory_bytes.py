@@ -340,3 +340,16 @@ def test_the_environment_turns_the_measurement_off(monkeypatch):
     assert all(r.peak_bytes is None for r, _ in run(schedule, memory=None))
     monkeypatch.setenv("MEGATRON_PP_EXT_MEMORY", "1")
     assert [r.peak_bytes for r, _ in run(schedule, memory=None)] == [2 * UNIT, UNIT]
+
+
+def test_trains_step_line_labels_the_count_and_gives_units():
+    from megatron_pp_ext.train.progress import format_step
+
+    line = format_step(1, 2, 4.0, 0.1, None, None, [2, 1], [4741120, 2469508])
+    assert line.endswith("peak activations (count) [2, 1]  "
+                         "activation memory [4.5 MiB, 2.4 MiB]")
+    gpu = format_step(1, 2, 4.0, 0.1, None, None, [2, 1], [2048, 1024], [3 * 2 ** 30, 2 ** 30])
+    assert gpu.endswith("activation memory [2.0 KiB, 1.0 KiB]  "
+                        "CUDA peak allocated [3.0 GiB, 1.0 GiB]")
+    # without bytes (pp=1, or nothing measured) the line is as it always was
+    assert format_step(1, 2, 4.0, 0.1, None, None, [1]).endswith("peak activations [1]")

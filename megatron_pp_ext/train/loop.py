@@ -123,7 +123,8 @@ def train_rank(rank: int, world_size: int, settings: TrainSettings, launcher: st
         progress.step(step + 1, format_step(step + 1, settings.steps, loss, step_times[-1],
                                             bubble, predicted_bubble,
                                             measurement.peak_activations,
-                                            measurement.peak_bytes))
+                                            measurement.peak_bytes,
+                                            measurement.device_peak_bytes))
 
     if not talk:
         return None

@@ -14,9 +14,10 @@ from typing import TextIO
 
 def format_step(step: int, steps: int, loss: float, seconds: float, bubble: float | None,
                 predicted: float | None, peaks: list[int],
-                peak_bytes: list | None = None) -> str:
+                peak_bytes: list | None = None, device_peak: list | None = None) -> str:
     """``peaks``: per rank, the COUNT of chunk-activations held at the peak; ``peak_bytes``:
-    per rank, the measured activation bytes (runtime/memory.py), shown in KiB / MiB / GiB."""
+    per rank, the measured activation bytes (runtime/memory.py), shown in KiB / MiB / GiB;
+    ``device_peak``: per rank, the CUDA allocator's peak over the step (GPUs only)."""
     width = len(str(steps))
     parts = [f"step {step:>{width}}/{steps}", f"loss {loss:7.4f}", f"time {seconds:6.3f} s"]
     if bubble is not None:
@@ -29,6 +30,8 @@ def format_step(step: int, steps: int, loss: float, seconds: float, bubble: floa
 
         parts.append(f"peak activations (count) {peaks}")
         parts.append(f"activation memory {format_bytes_list(peak_bytes)}")
+        if device_peak is not None and any(b is not None for b in device_peak):
+            parts.append(f"CUDA peak allocated {format_bytes_list(device_peak)}")
     else:
         parts.append(f"peak activations {peaks}")
     return "  ".join(parts)
