@@ -320,3 +320,13 @@ def test_megatron_validated_schedule_file_installs(monkeypatch, tmp_path):
     args = _megatron_args(monkeypatch, ["--pipeline-schedule", wrong_m])
     with pytest.raises(ValueError, match="set --global-batch-size 4"):
         install_from_args(args)
+
+
+def test_pp_trace_dir_turns_tracing_on_and_names_the_folder(monkeypatch):
+    parser = _plain_parser(monkeypatch)
+    args = parser.parse_args(["--pipeline-schedule", "zb-h1", "--pp-trace-dir", "runs/trace"])
+    args.pipeline_model_parallel_size = 4
+    options = schedule_options_from_args(args)
+    assert (options["trace"], options["trace_dir"]) == (True, "runs/trace")
+    plain = schedule_options_from_args(parser.parse_args(["--pipeline-schedule", "zb-h1"]))
+    assert plain["trace"] is False and "trace_dir" not in plain

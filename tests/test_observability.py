@@ -206,7 +206,7 @@ def test_measured_bubble_matches_the_prediction_over_gloo():
     assert report["zb-h1"][0] < report["1f1b"][0] - 10, report
 
 
-def traced_megatron_steps(rank, world_size, name):
+def traced_megatron_steps(rank, world_size, name, trace_dir=None):
     """Spawn target: two steps of the tiny GPT through ScheduleFunction(trace=True)."""
     from support.reference import run_step
     from megatron_pp_ext.integration.forward_backward import ScheduleFunction
@@ -217,7 +217,7 @@ def traced_megatron_steps(rank, world_size, name):
     logger = logging.getLogger("megatron_pp_ext")
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
-    fn = ScheduleFunction(name, trace=True)
+    fn = ScheduleFunction(name, trace=True, trace_dir=trace_dir)
     state = fn.state
     out = []
     for _ in range(2):
@@ -229,10 +229,19 @@ def traced_megatron_steps(rank, world_size, name):
     return {"steps": out, "logged": records}
 
 
-def test_install_trace_sets_last_timeline_on_rank_0():
+def test_install_trace_sets_last_timeline_on_rank_0(tmp_path):
+    from megatron_pp_ext.analysis.costs import load_costs
     from megatron_pp_ext.train.processes import spawn
 
-    per_rank = spawn(2, traced_megatron_steps, "zb-h1", timeout_s=90)
+    per_rank = spawn(2, traced_megatron_steps, "zb-h1", str(tmp_path), timeout_s=90)
+    # trace_dir (Megatron-LM: --pp-trace-dir): the last step as a Chrome trace, which the
+    # commands' --costs reads: the measured F, I, W of both ranks
+    last = Timeline.from_dict(per_rank[0]["steps"][-1]["timeline"])
+    measured = load_costs(str(tmp_path / trace.TRACE_FILE))
+    assert measured.num_ranks == 2
+    assert measured.t_f == pytest.approx(
+        [sum(e.duration for e in last.compute_events(r) if e.kind == "F") / 4 for r in range(2)],
+        rel=1e-6)
     schedule = build_schedule("zb-h1", 2, 4)
     for step in per_rank[0]["steps"]:
         timeline = Timeline.from_dict(step["timeline"])

@@ -7,9 +7,9 @@ Files it reads (``load_costs``):
 * ``summary.json`` of ``python -m megatron_pp_ext train``: its ``measured_costs_per_rank_s``
   (each rank's mean F, and B or I and W, per microbatch over all of its stages, last step).
   The message latency ``t_comm`` comes from the ``trace.json`` beside it when there is one.
-* A Chrome trace of a measured step: ``train``'s ``trace.json``, or, from Megatron-LM with
-  ``--pp-trace`` (which records the measured timeline on pipeline rank 0 but writes no file),
-  ``json.dump(render_chrome_trace(installation.state.last_timeline), f)``.
+* A Chrome trace of a measured step: ``train``'s ``trace.json``, or, from Megatron-LM,
+  ``DIR/pp_trace.json`` written by ``--pp-trace-dir DIR`` (``install(trace=True,
+  trace_dir=DIR)``) on pipeline rank 0.
 * A measured ``Timeline`` as JSON (``Timeline.to_dict()``, e.g. of ``state.last_timeline``).
 
 What comes out is per rank, in seconds. A split schedule's run (zb-h1, zb-h2, zb-v,

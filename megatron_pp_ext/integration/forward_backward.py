@@ -322,14 +322,17 @@ def _first_step_checks(state: RunState, options: PipelineOptions, schedule: Sche
 
 
 def _trace_step(state: RunState, result: StepResult, schedule: Schedule, rank: int, pp_group,
-                device, config) -> None:
+                device, config, trace_dir: str | None = None) -> None:
     """Gather the measured timeline to pipeline rank 0, predict the same schedule under the
-    measured costs, share the scalars and write them where Megatron logs."""
+    measured costs, share the scalars and write them where Megatron logs (and the timeline
+    as a Chrome trace into ``trace_dir``)."""
     timeline = tracing.gather_timeline(result, schedule, rank, pp_group, device)
     predicted = metrics = None
     if timeline is not None:
         predicted = tracing.predicted_timeline(timeline, schedule)
         metrics = tracing.step_metrics(timeline, predicted)
+        if trace_dir:
+            tracing.write_chrome_trace(timeline, trace_dir)
     state.last_timeline, state.last_predicted = timeline, predicted
     state.last_metrics = tracing.share_metrics(metrics, rank, pp_group, device)
     try:
@@ -470,7 +473,8 @@ def run_step(
     if config.timers is not None:
         config.timers("forward-backward").stop()
     if options.trace:
-        _trace_step(state, result, schedule, rank, pp_group, transport.device, config)
+        _trace_step(state, result, schedule, rank, pp_group, transport.device, config,
+                    options.trace_dir)
     if measuring:
         memory = device_helper.finish_memory_probe(transport.device, memory_probe,
                                                    result.peak_activations)

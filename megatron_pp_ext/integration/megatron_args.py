@@ -141,6 +141,12 @@ def add_pipeline_schedule_args(parser: argparse.ArgumentParser) -> argparse.Argu
         "--pp-trace", action="store_true",
         help="Record the measured timeline of every step (start/end of each action per rank).",
     )
+    group.add_argument(
+        "--pp-trace-dir", metavar="DIR", default=None,
+        help="Write the last step's measured timeline as a Chrome trace to DIR/pp_trace.json "
+        "(pipeline rank 0; implies --pp-trace); `python -m megatron_pp_ext select --costs "
+        "DIR/pp_trace.json` reads it.",
+    )
     return parser
 
 
@@ -238,9 +244,12 @@ def schedule_options_from_args(args: Any) -> dict | None:
 
 
 def _with_post_validation(options: dict, args: Any) -> dict:
-    """``options`` plus ``post_validate=True`` when --pp-post-validate is given."""
+    """``options`` plus ``post_validate=True`` when --pp-post-validate is given, and the
+    trace file's folder with --pp-trace-dir (which turns tracing on)."""
     if getattr(args, "pp_post_validate", False):
         options["post_validate"] = True
+    if getattr(args, "pp_trace_dir", None):
+        options["trace"], options["trace_dir"] = True, args.pp_trace_dir
     return options
 
 

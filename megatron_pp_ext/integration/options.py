@@ -31,6 +31,9 @@ class PipelineOptions:
     p2p_timeout_s: float | None = None
     first_step_timeout_s: float | None = None  # the first step (start-up, lazy NCCL init)
     trace: bool = False  # record measured timelines (cheap when off)
+    #: with ``trace``: write each step's measured timeline as a Chrome trace to
+    #: ``trace_dir/pp_trace.json`` on pipeline rank 0 (``select --costs`` reads it)
+    trace_dir: str | None = None
     # schedule="auto": measuring steps, and the memory figures when not measured (CPU)
     auto_measure_steps: int = 1
     auto_memory_budget_bytes: float | None = None

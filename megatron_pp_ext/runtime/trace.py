@@ -22,10 +22,12 @@ costs; :func:`summary_text` prints the two side by side.
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 import time
 from collections import defaultdict
+from pathlib import Path
 from typing import Sequence
 
 from ..analysis.simulate import CostModel, simulate
@@ -125,6 +127,22 @@ def gather_timeline(result, schedule: Schedule, rank: int, pp_group=None,
 
 
 # ---------------------------------------------------------------- calibration and prediction
+TRACE_FILE = "pp_trace.json"
+
+
+def write_chrome_trace(timeline: Timeline, folder: str) -> Path:
+    """``folder/pp_trace.json``: the measured step as a Chrome trace (written to a temporary
+    name, then renamed, so a reader never sees half a file)."""
+    from ..analysis.render import render_chrome_trace
+
+    path = Path(folder) / TRACE_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".json.partial")
+    partial.write_text(json.dumps(render_chrome_trace(timeline)))
+    partial.replace(path)
+    return path
+
+
 def mean_durations(timeline: Timeline) -> dict[tuple[int, str], float]:
     """Mean duration of each (stage, kind) over the timeline's compute events."""
     total: dict[tuple[int, str], float] = defaultdict(float)
