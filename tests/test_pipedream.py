@@ -242,3 +242,18 @@ def test_install_and_megatron_arguments_refuse_them_before_patching():
         "megatron.core.pipeline_parallel.schedules"  # not patched
     with pytest.raises(argparse.ArgumentTypeError, match="asynchronous"):
         _schedule_value("pipedream-2bw")
+
+
+def test_simulate_command_draws_the_asynchronous_run(capsys):
+    from megatron_pp_ext.analysis.simulate import async_steady_state
+    from megatron_pp_ext.cli import main
+
+    assert main(["simulate", "--schedule", "PipeDream", "-p", "4", "-m", "4"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    steady = async_steady_state("pipedream", 4, 4)
+    assert out[-1] == (f"steady state: {steady.per_microbatch:g} t per microbatch (floor "
+                       f"{steady.floor:g}, flushed 1f1b {steady.flushed_1f1b:g}); weight "
+                       "versions held per rank [4, 3, 2, 1] (count); the run: 4 batches of "
+                       "m=4, never flushed")
+    assert steady.per_microbatch == steady.floor == 3 < steady.flushed_1f1b
+    assert [line.split("|")[0].strip() for line in out if "|" in line] == ["r0", "r1", "r2", "r3"]

@@ -13,7 +13,7 @@ from ..analysis.render import render_ascii, render_chrome_trace, render_html
 from ..analysis.simulate import CostModel, simulate
 from ..analysis.validate import CHANNELS
 from ..ir import Schedule
-from ..schedules import build_schedule, schedule_names
+from ..schedules import build_schedule, is_async_schedule, schedule_names
 from .hints import warn_p_exceeds_m
 
 FORMATS = ("ascii", "json", "html", "chrome")
@@ -177,6 +177,8 @@ def register(subparsers) -> None:
                         help="print instead the P2P program the executor posts on NCCL (one "
                         "row per rank: actions, (ops)BATCH#k, WAIT#k), checked against "
                         "NCCL's rules")
+    parser.add_argument("--vertical-sync", action="store_true",
+                        help="pipedream: every stage uses the version a microbatch entered with")
     parser.add_argument("--communication", choices=("buffered", "nccl"), default="buffered",
                         help="how messages are charged: buffered (a message leaves when its "
                         "producer ends, + t_comm; default) or nccl (the program the executor "
@@ -230,6 +232,8 @@ def run(args) -> int:
     measured = None
     if not args.nccl_program:
         costs, unit, measured = costs_from_args(args)  # fills -p / -m from --costs
+    if args.schedule and is_async_schedule(args.schedule) and not args.nccl_program:
+        return _run_async(args, costs, unit)
     schedule = make_schedule(args)
     warn_p_exceeds_m(schedule.num_ranks, schedule.num_microbatches)
     if args.nccl_program:
@@ -260,6 +264,36 @@ def run(args) -> int:
         text = json.dumps(render_chrome_trace(timeline))
     if notes:  # html / chrome: the costs on stdout beside "wrote", else on stderr
         print(notes, file=sys.stdout if args.out else sys.stderr)
+    return _write(args, text)
+
+
+def _run_async(args, costs, unit: str) -> int:
+    """PipeDream / 2BW: no step to draw, a run of 4 optimizer batches that never flushes,
+    and its steady state per microbatch against the floor and flushed 1F1B."""
+    from ..analysis.simulate import async_steady_state
+
+    if args.ranks is None or args.microbatches is None:
+        raise ValueError(f"--schedule {args.schedule} needs --ranks P and --microbatches M")
+    warn_p_exceeds_m(args.ranks, args.microbatches)
+    steady = async_steady_state(args.schedule.strip().lower(), args.ranks, args.microbatches,
+                                costs, vertical_sync=args.vertical_sync)
+    timeline = steady.timeline
+    timeline.unit = unit
+    line = (f"steady state: {steady.per_microbatch:g} {unit} per microbatch (floor "
+            f"{steady.floor:g}, flushed 1f1b {steady.flushed_1f1b:g}); weight versions held "
+            f"per rank {steady.versions_held} (count); the run: 4 batches of "
+            f"m={args.microbatches}, never flushed")
+    if args.format == "ascii":
+        text = render_ascii(timeline, width=args.width) + "\n" + line
+    elif args.format == "json":
+        text = json.dumps({"schedule": steady.name, "unit": unit,
+                           "per_microbatch": steady.per_microbatch, "floor": steady.floor,
+                           "flushed_1f1b": steady.flushed_1f1b, "makespan": steady.makespan,
+                           "versions_held": steady.versions_held}, indent=1)
+    elif args.format == "html":
+        text = render_html([timeline], title=f"{steady.name}: predicted run ({line})")
+    else:
+        text = json.dumps(render_chrome_trace(timeline))
     return _write(args, text)
 
 
