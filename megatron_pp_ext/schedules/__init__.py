@@ -143,7 +143,8 @@ def _unknown(name: str) -> ScheduleError:
             "pipeline, never flushed): Megatron's forward_backward_func flushes every step and "
             "cannot run it; run it with megatron_pp_ext.runtime.pipedream.AsyncPipeline or "
             f"`python -m megatron_pp_ext train --schedule {key}`, draw it with "
-            "megatron_pp_ext.analysis.simulate.async_steady_state (docs/pipedream.md)")
+            f"`python -m megatron_pp_ext simulate --schedule {key} -p P -m M` "
+            "(docs/pipedream.md)")
     if key in NO_EQUIVALENT:
         return ScheduleError(
             f"schedule {name!r} has no equivalent here: {NO_EQUIVALENT[key]}. Write its order "
