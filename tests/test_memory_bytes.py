@@ -334,8 +334,10 @@ def test_format_bytes_iec():
     assert format_bytes_iec(5 * 1024 ** 3) == "5.0 GiB"
 
 
-def test_the_environment_turns_the_measurement_off(monkeypatch):
+def test_the_measurement_is_off_unless_asked(monkeypatch):
     schedule = build_schedule("1f1b", 2, 4)
+    monkeypatch.delenv("MEGATRON_PP_EXT_MEMORY", raising=False)
+    assert all(r.peak_bytes is None for r, _ in run(schedule, memory=None))
     monkeypatch.setenv("MEGATRON_PP_EXT_MEMORY", "0")
     assert all(r.peak_bytes is None for r, _ in run(schedule, memory=None))
     monkeypatch.setenv("MEGATRON_PP_EXT_MEMORY", "1")

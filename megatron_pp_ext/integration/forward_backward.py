@@ -427,19 +427,21 @@ def run_step(
     )
     grad_sync.start()
     timeout = first_timeout if state.steps_run == 0 else later_timeout
+    measuring = auto is not None and auto.measuring and not forward_only
     executor = Executor(schedule, rank, transport, work, recv_shape=recv_shape,
                         dtype=pipeline_dtype,
                         device=transport.device, timeout_s=timeout, variable_shapes=variable,
                         trace=options.trace, timers=config.timers,
                         incoming=state.incoming(schedule, rank), lockstep=lockstep,
-                        post_ahead=post_ahead)
+                        post_ahead=post_ahead,
+                        memory=(options.trace or measuring) if options.memory is None
+                        else options.memory or measuring)
     transport.timeout_s = timeout  # its own waits inside a call (shape headers) too
     if transport.poll:  # NCCL: a peer that fails and says so stops this rank's waits at once
         if state.failure_baseline is None:
             state.failure_baseline = agreement.failures_published()
         transport.watch = (None if state.failure_baseline is None else
                            agreement.peer_failure_watch(pp_group, rank, state.failure_baseline))
-    measuring = auto is not None and auto.measuring and not forward_only
     memory_probe = device_helper.start_memory_probe(transport.device) if measuring else None
     try:
         if weight_split is not None:

@@ -34,6 +34,9 @@ class PipelineOptions:
     #: with ``trace``: write each step's measured timeline as a Chrome trace to
     #: ``trace_dir/pp_trace.json`` on pipeline rank 0 (``select --costs`` reads it)
     trace_dir: str | None = None
+    #: measure activation bytes (runtime/memory.py) every step; None: on the traced steps and
+    #: auto's measuring steps only (the graph walk costs host time on every F)
+    memory: bool | None = None
     # schedule="auto": measuring steps, and the memory figures when not measured (CPU)
     auto_measure_steps: int = 1
     auto_memory_budget_bytes: float | None = None

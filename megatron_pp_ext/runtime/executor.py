@@ -72,10 +72,11 @@ class StepResult:
 
 
 def memory_measured() -> bool:
-    """Whether executors measure activation bytes by default (MEGATRON_PP_EXT_MEMORY)."""
+    """Whether executors measure activation bytes when not told (MEGATRON_PP_EXT_MEMORY=1;
+    off by default: the walk costs host time on every F, like tracing)."""
     import os
 
-    return os.environ.get("MEGATRON_PP_EXT_MEMORY", "1").strip().lower() not in (
+    return os.environ.get("MEGATRON_PP_EXT_MEMORY", "0").strip().lower() not in (
         "0", "false", "no", "off")
 
 
@@ -143,9 +144,9 @@ class Executor:
         # DualPipeV's F&B pairs run in one call when the work (the model) offers one.
         self.overlap = bool(schedule.options.get("overlapped_pairs")) and callable(
             getattr(work, "overlapped_forward_backward", None))
-        # activation bytes (runtime/memory.py): on unless memory=False, or, when not given,
-        # MEGATRON_PP_EXT_MEMORY=0 in the environment (the walk costs ~0.15 ms of host time
-        # per layer and F)
+        # activation bytes (runtime/memory.py): with memory=True, or, when not given,
+        # MEGATRON_PP_EXT_MEMORY=1 in the environment (the walk costs ~0.15 ms of host time
+        # per layer and F: the drop-in measures only traced or auto-measuring steps)
         self.measure_memory = memory_measured() if memory is None else memory
 
     def run(self) -> StepResult:

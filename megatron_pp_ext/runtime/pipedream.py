@@ -93,7 +93,7 @@ class AsyncPipeline:
         self.executor = Executor(schedule, self.rank, transport, self.work,
                                  recv_shape=recv_shape, dtype=dtype,
                                  device=device or getattr(transport, "device", torch.device("cpu")),
-                                 timeout_s=timeout_s, trace=trace)
+                                 timeout_s=timeout_s, trace=trace, memory=trace)
 
     def run(self) -> AsyncResult:
         """Run the whole action list (every step, no flush until the end)."""

@@ -64,7 +64,8 @@ def train_rank(rank: int, world_size: int, settings: TrainSettings, launcher: st
     dp_rank = parallel_state.get_data_parallel_rank()
     last_pipeline_rank = pp_group.rank() == pp_group.size() - 1
     installation = megatron_pp_ext.install(schedule=settings.schedule, trace=settings.trace,
-                                           p2p_timeout_s=settings.p2p_timeout_s)
+                                           p2p_timeout_s=settings.p2p_timeout_s,
+                                           memory=True)  # activation bytes on every step
     state = installation.state
 
     progress = Progress(settings.steps) if talk else None

@@ -60,7 +60,8 @@ def run_inmemory(schedule, delays=None, costs: EmulatedCosts | None = None, time
                             dtype=torch.float64, device=torch.device("cpu"),
                             timeout_s=timeout_s, trace=trace, variable_shapes=variable_shapes,
                             timers=timers[rank] if timers else None,
-                            lockstep=posting[rank] if posting else None, post_ahead=ahead)
+                            lockstep=posting[rank] if posting else None, post_ahead=ahead,
+                            memory=True)
         return executor.run(), work
 
     return run_ranks_in_threads(schedule.num_ranks, rank_fn, timeout_s=timeout_s + 10,
