@@ -4,24 +4,15 @@ through the asynchronous path, and the checks made before any process starts."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from megatron_pp_ext.train.settings import TrainSettings
+from support.train_cli import run_train
 
 REPO = Path(__file__).resolve().parents[1]
-LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_STEP_ID",
-                "PYTHONWARNINGS")
 
-
-def _train(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
-    return subprocess.run([sys.executable, "-m", "megatron_pp_ext", "train", *args], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def test_2bw_and_pipedream_train_the_tiny_gpt(tmp_path):
@@ -33,7 +24,7 @@ def test_2bw_and_pipedream_train_the_tiny_gpt(tmp_path):
                         ("pipedream", ["--steps", "3"]),
                         ("pipedream-vs", ["--steps", "3", "--vertical-sync", "--no-trace"])):
         out = tmp_path / name
-        proc = _train("--schedule", name.replace("-vs", ""), "-p", "2", "-m", "2", "--out",
+        proc = run_train("--schedule", name.replace("-vs", ""), "-p", "2", "-m", "2", "--out",
                       str(out), *extra)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         for words in ("UserWarning", "FutureWarning", "Apex is not installed", "deprecated"):

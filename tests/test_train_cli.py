@@ -18,17 +18,11 @@ from megatron_pp_ext.schedules import build_schedule
 from megatron_pp_ext.train.launcher import detect, slurm_master_port
 from megatron_pp_ext.train.progress import Progress, format_step
 from megatron_pp_ext.train.settings import TrainSettings
+from support.train_cli import LAUNCHER_ENV, run_train
 
 REPO = Path(__file__).resolve().parents[1]
 PEER_CSV = REPO / "tests" / "data" / "torch_zb1p_2rank_2stagep_compute.csv"  # p=2, m=8, v=2
-LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_STEP_ID",
-                "PYTHONWARNINGS")
 
-
-def _train(*args: str, timeout: float = 150) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
-    return subprocess.run([sys.executable, "-m", "megatron_pp_ext", "train", *args], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def _check_run(out: Path, proc, schedule: str, chunks: int, steps: int) -> dict:
@@ -69,7 +63,7 @@ def _assert_no_megatron_warnings(proc) -> None:
 def test_train_1f1b_and_zb_v(tmp_path):
     """Real runs (about 15 s each, mostly importing Megatron in the ranks)."""
     out = tmp_path / "1f1b"
-    proc = _train("--schedule", "1f1b", "--pp", "2", "--microbatches", "4", "--steps", "3",
+    proc = run_train("--schedule", "1f1b", "--pp", "2", "--microbatches", "4", "--steps", "3",
                   "--out", str(out))
     summary = _check_run(out, proc, "1f1b", 1, 3)
     assert summary["peak_activations"] == [2, 1]  # 1F1B: p - r
@@ -79,14 +73,14 @@ def test_train_1f1b_and_zb_v(tmp_path):
     csv = tmp_path / "my_zbv.csv"
     csv.write_text(build_schedule("zb-v", 2, 4).to_csv())
     out = tmp_path / "csv"
-    proc = _train("--schedule", str(csv), "--steps", "3", "--out", str(out))
+    proc = run_train("--schedule", str(csv), "--steps", "3", "--out", str(out))
     from_file = _check_run(out, proc, str(csv), 2, 3)
     assert (from_file["microbatches"], from_file["layout"]) == (4, "v")
     assert "with " + str(csv) in proc.stdout and "schedule my_zbv, p=2" in proc.stdout
     assert from_file["losses"] == pytest.approx(summary["losses"], rel=1e-4)
 
     out = tmp_path / "zb-v"
-    proc = _train("--schedule", "zb-v", "--pp", "2", "--microbatches", "4", "--steps", "3",
+    proc = run_train("--schedule", "zb-v", "--pp", "2", "--microbatches", "4", "--steps", "3",
                   "--out", str(out))
     zbv = _check_run(out, proc, "zb-v", 2, 3)
     assert zbv["layout"] == "v"
@@ -94,7 +88,7 @@ def test_train_1f1b_and_zb_v(tmp_path):
     assert zbv["losses"] == pytest.approx(summary["losses"], rel=1e-4)
 
     out = tmp_path / "auto"
-    proc = _train("--schedule", "auto", "--pp", "2", "--microbatches", "4", "--steps", "3",
+    proc = run_train("--schedule", "auto", "--pp", "2", "--microbatches", "4", "--steps", "3",
                   "--out", str(out))
     auto = _check_run(out, proc, "auto", 1, 3)
     assert auto["auto_choice"] in ("gpipe", "1f1b", "zb-h1", "zb-h2")
@@ -122,7 +116,7 @@ def test_train_1f1b_and_zb_v(tmp_path):
     (["--pp", "3", "--layers", "8"], "--layers 8 must be a multiple of pp*v = 3*1"),
 ])
 def test_bad_input_exits_2_with_one_line_before_spawning(args, words):
-    proc = _train(*args, timeout=60)
+    proc = run_train(*args, timeout=60)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and words in lines[0], lines
@@ -133,7 +127,7 @@ def test_the_p_over_m_hint_is_one_line_before_the_run(tmp_path):
     """p > m is allowed (every schedule runs it) but rarely meant: one hint line on stderr,
     and the run goes on."""
     out = tmp_path / "run"
-    proc = _train("-p", "2", "-m", "1", "--steps", "1", "--out", str(out))
+    proc = run_train("-p", "2", "-m", "1", "--steps", "1", "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     hints = [line for line in proc.stderr.splitlines() if line.startswith("hint:")]
     assert hints == ["hint: p=2 > m=1: most ranks idle most of the step; use m >= p "

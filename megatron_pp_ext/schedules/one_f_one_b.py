@@ -20,13 +20,7 @@ def build_1f1b(num_ranks: int, num_microbatches: int, chunks: int = 1, forward_o
         if forward_only:
             actions.append([Action(rank, "F", mb) for mb in range(m)])
             continue
-        warmup = min(p - 1 - rank, m)
-        steady = m - warmup
-        row = [Action(rank, "F", mb) for mb in range(warmup)]
-        for i in range(steady):
-            row.append(Action(rank, "F", warmup + i))
-            row.append(Action(rank, "B", i))
-        row += [Action(rank, "B", steady + i) for i in range(warmup)]
+        row = one_f_one_b_row(rank, p, m)
         if split_backward:
             row = [half for a in row for half in (
                 (Action(a.stage, "I", a.microbatch), Action(a.stage, "W", a.microbatch))
@@ -34,3 +28,14 @@ def build_1f1b(num_ranks: int, num_microbatches: int, chunks: int = 1, forward_o
         actions.append(row)
     return Schedule("1f1b", m, loop_placement(p, 1), actions,
                     {"forward_only": forward_only, "split_backward": split_backward})
+
+
+def one_f_one_b_row(rank: int, num_ranks: int, num_microbatches: int) -> list[Action]:
+    """Rank ``rank``'s 1F1B list: warmup forwards, steady F/B pairs, cooldown backwards."""
+    warmup = min(num_ranks - 1 - rank, num_microbatches)
+    steady = num_microbatches - warmup
+    row = [Action(rank, "F", mb) for mb in range(warmup)]
+    for i in range(steady):
+        row.append(Action(rank, "F", warmup + i))
+        row.append(Action(rank, "B", i))
+    return row + [Action(rank, "B", steady + i) for i in range(warmup)]

@@ -35,22 +35,14 @@ from dataclasses import dataclass, field
 
 from ..ir import BACKWARD, FORWARD, Action, Schedule, ScheduleError
 from ._common import check_sizes, loop_placement, require
+from .one_f_one_b import one_f_one_b_row
 
 PIPEDREAM, PIPEDREAM_2BW = "pipedream", "pipedream-2bw"
 
 
 def _one_f_one_b_rows(p: int, total: int) -> list[list[Action]]:
-    rows = []
-    for rank in range(p):
-        warmup = min(p - 1 - rank, total)
-        steady = total - warmup
-        row = [Action(rank, "F", mb) for mb in range(warmup)]
-        for i in range(steady):
-            row.append(Action(rank, "F", warmup + i))
-            row.append(Action(rank, "B", i))
-        row += [Action(rank, "B", steady + i) for i in range(warmup)]
-        rows.append(row)
-    return rows
+    """1F1B's order over all ``total`` microbatches of the run, never flushed."""
+    return [one_f_one_b_row(rank, p, total) for rank in range(p)]
 
 
 def _check(name: str, num_ranks: int, num_microbatches: int, chunks: int, steps: int) -> None:

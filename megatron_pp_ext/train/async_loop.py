@@ -15,7 +15,6 @@ the last stage prints a line per batch as its last loss arrives and writes ``sum
 from __future__ import annotations
 
 import logging
-import sys
 import time
 
 import torch
@@ -221,25 +220,13 @@ def _timelines(schedule, gathered: list[dict]):
 
 def run(settings: TrainSettings) -> int:
     """Local gloo processes (under torchrun / srun: one process per pipeline rank, dp = 1)."""
-    from .launcher import detect
-    from .processes import SpawnError, spawn
+    from .launcher import detect, run_local
 
     hide_megatron_warnings()
     launch = detect()
     if launch.kind != "local":
         return _run_launched(settings, launch)
-    print(f"starting {settings.pp} gloo processes on this machine's CPUs (each imports torch "
-          "and Megatron-Core first: a few seconds)", flush=True)
-    for attempt in range(3):
-        try:
-            spawn(settings.pp, async_train_rank, settings, timeout_s=settings.run_timeout_s)
-            return 0
-        except SpawnError as exc:
-            if "EADDRINUSE" in str(exc) and attempt < 2:
-                continue
-            print(f"error: training failed: {exc}", file=sys.stderr)
-            return 1
-    return 1
+    return run_local(settings, async_train_rank)
 
 
 def _run_launched(settings: TrainSettings, launch) -> int:

@@ -80,7 +80,7 @@ def run(settings: TrainSettings) -> int:
     hide_megatron_warnings()
     launch = detect()
     if launch.kind == "local":
-        return _run_local(settings)
+        return run_local(settings)
     try:
         settings.check_world(launch.world_size)
     except ValueError:
@@ -90,15 +90,18 @@ def run(settings: TrainSettings) -> int:
     return _run_launched(settings, launch)
 
 
-def _run_local(settings: TrainSettings) -> int:
+def run_local(settings: TrainSettings, target=None) -> int:
+    """``settings.pp`` gloo processes on this machine, each running ``target`` (default:
+    ``loop.train_rank``)."""
     from .processes import SpawnError, spawn
     from .loop import train_rank
 
+    target = target or train_rank
     print(f"starting {settings.pp} gloo processes on this machine's CPUs (each imports torch "
           "and Megatron-Core first: a few seconds)", flush=True)
     for attempt in range(3):
         try:
-            spawn(settings.pp, train_rank, settings, timeout_s=settings.run_timeout_s)
+            spawn(settings.pp, target, settings, timeout_s=settings.run_timeout_s)
             return 0
         except SpawnError as exc:
             # The free port spawn picked was taken before rank 0 listened on it: try another.
