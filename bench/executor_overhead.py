@@ -17,6 +17,7 @@ time, which other work on a shared machine does not inflate:
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 
@@ -92,11 +93,18 @@ def instant(name: str, p: int, m: int, v: int, reps: int = 20) -> dict:
     wall, cpu = [], []
     _executor(schedule, 0, InstantTransport()).run()  # warm-up
     for _ in range(reps):
-        start, start_cpu = time.perf_counter(), time.thread_time()
-        for rank in range(p):
-            _executor(schedule, rank, InstantTransport()).run()
-        cpu.append((time.thread_time() - start_cpu) / actions)
-        wall.append((time.perf_counter() - start) / actions)
+        # as timeit does: the cyclic collector off while timing (collected before each
+        # repeat), so one repeat that happens to run a full collection is not its figure
+        gc.collect()
+        gc.disable()
+        try:
+            start, start_cpu = time.perf_counter(), time.thread_time()
+            for rank in range(p):
+                _executor(schedule, rank, InstantTransport()).run()
+            cpu.append((time.thread_time() - start_cpu) / actions)
+            wall.append((time.perf_counter() - start) / actions)
+        finally:
+            gc.enable()
     return per_action(wall, cpu, actions)
 
 
