@@ -27,7 +27,6 @@ they are; that difference is not modelled.
 from __future__ import annotations
 
 import json
-from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -302,24 +301,15 @@ def _chrome_timeline(path: str, data) -> Timeline:
 
 
 def _from_timeline(path: str, timeline: Timeline, what: str) -> MeasuredCosts:
-    total: dict[tuple[int, int, str], float] = defaultdict(float)
-    count: dict[tuple[int, int, str], int] = defaultdict(int)
-    for e in timeline.events:
-        if e.category != COMPUTE:
-            continue
-        action = Action.parse(e.label)
-        key = (e.rank, action.stage, action.kind)
-        total[key] += e.duration
-        count[key] += 1
+    from ..runtime.trace import mean_durations  # pure Python; imports no torch
+
+    owner = {Action.parse(e.label).stage: e.rank
+             for e in timeline.events if e.category == COMPUTE}
     p = timeline.num_ranks
-    kinds = {kind for _, _, kind in total}
-    shares = {}
-    for kind in kinds:
-        per_rank = [0.0] * p
-        for key, value in total.items():
-            if key[2] == kind:
-                per_rank[key[0]] += value / count[key]  # each stage's mean, summed over the rank
-        shares[kind] = per_rank
+    shares: dict[str, list[float]] = {}
+    for (stage, kind), mean in mean_durations(timeline).items():
+        # each stage's mean, summed over the stages of its rank: the rank's share
+        shares.setdefault(kind, [0.0] * p)[owner[stage]] += mean
     if "F" not in shares:
         raise ValueError(f"{path} has no forward (F) events")
     name = timeline.schedule if timeline.schedule not in ("", "?") else None
