@@ -132,3 +132,16 @@ def test_a_schedule_file_with_its_own_communication_runs_it_under_nccl_rules(tmp
     assert [r["nccl_batches"] for r in theirs] == [len(program.batches(r)) for r in range(2)]
     assert [r["nccl_batches"] for r in ours] != [r["nccl_batches"] for r in theirs]
     assert_same(merge_results(theirs), merge_results(ours))
+
+
+def test_simulate_command_reads_a_csv_with_its_own_communication(tmp_path, capsys):
+    from megatron_pp_ext.cli import main
+    from megatron_pp_ext.runtime.lowering import LOCKSTEP, lower
+
+    program = lower(build_schedule("zb-h1", 2, 4), LOCKSTEP)
+    path = tmp_path / "own.csv"
+    path.write_text(program.to_csv())
+    assert main(["simulate", "--csv", str(path), "--nccl-program"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("# own: user posting (the schedule file's own batches")
+    assert "\n".join(out[1:]) + "\n" == program.to_csv()

@@ -194,7 +194,9 @@ def load_schedule(path: str) -> Schedule:
         raise OSError(f"cannot read schedule file {path}: {exc.strerror or exc}") from None
     if path.endswith(".json"):
         return Schedule.from_json(text)
-    return Schedule.from_csv(text, name=Path(path).stem)
+    from ..runtime.user_program import load  # compute-only, or with its own P2P batches
+
+    return load(text, name=Path(path).stem)[0]
 
 
 def make_schedule(args) -> Schedule:
@@ -217,11 +219,13 @@ def make_schedule(args) -> Schedule:
 def nccl_program_text(schedule: Schedule) -> str:
     """The lowered program the executor posts on NCCL, after checking it (raises if it could
     hang), with a first line saying which posting it uses."""
-    from ..runtime.lowering import LOCKSTEP, MEGATRON, nccl_post_ahead, nccl_posting, nccl_program
+    from ..runtime.lowering import (MEGATRON, USER, nccl_post_ahead, nccl_posting_kind,
+                                    nccl_program)
 
-    posting = MEGATRON if nccl_posting(schedule) is None else LOCKSTEP
-    why = ("Megatron's fused calls pass NCCL's rules" if posting == MEGATRON else
-           "Megatron's fused calls could hang under NCCL's rules, so one batch per round")
+    posting = nccl_posting_kind(schedule)
+    why = {MEGATRON: "Megatron's fused calls pass NCCL's rules",
+           USER: "the schedule file's own batches, as written"}.get(
+        posting, "Megatron's fused calls could hang under NCCL's rules, so one batch per round")
     if posting == MEGATRON and nccl_post_ahead(schedule):
         why += "; receives posted ahead of the compute, proven safe and faster"
     return (f"# {schedule.name}: {posting} posting ({why}); checked: no hang, every pair "

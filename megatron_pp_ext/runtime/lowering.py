@@ -251,6 +251,12 @@ def nccl_post_ahead(schedule: Schedule, variable_shapes: bool = False) -> bool:
         e < p for e, p in zip(early, plain))
 
 
+def nccl_posting_kind(schedule: Schedule, variable_shapes: bool = False) -> str:
+    """Which program ``nccl_program`` is: ``user`` (the schedule file's own), ``megatron``
+    (Megatron's fused calls) or ``lockstep``."""
+    return _checked_program(schedule, variable_shapes)[0]
+
+
 def nccl_program(schedule: Schedule, variable_shapes: bool = False) -> Program:
     """The checked program the executor runs on NCCL (the posting ``nccl_posting`` picks,
     receives posted ahead where ``nccl_post_ahead`` says so)."""
@@ -260,5 +266,5 @@ def nccl_program(schedule: Schedule, variable_shapes: bool = False) -> Program:
     return program
 
 
-__all__ = ["MEGATRON", "LOCKSTEP", "lower", "nccl_posting", "nccl_post_ahead", "nccl_program",
-           "user_postings"]
+__all__ = ["MEGATRON", "LOCKSTEP", "USER", "lower", "nccl_posting", "nccl_posting_kind",
+           "nccl_post_ahead", "nccl_program", "user_postings"]
