@@ -235,20 +235,26 @@ def nccl_post_ahead(schedule: Schedule, variable_shapes: bool = False) -> bool:
     ``check_nccl_rules`` and, timed under NCCL's rules at unit costs with messages of half
     and one forward, is never slower and somewhere faster (GPipe: its receives then overlap
     the forwards; 1F1B's are all fused already)."""
+    return _ahead_program(schedule, variable_shapes) is not None
+
+
+def _ahead_program(schedule: Schedule, variable_shapes: bool) -> Program | None:
+    """The program with receives posted ahead where ``nccl_post_ahead`` allows it, else None."""
     posting, program, _ = _checked_program(schedule, variable_shapes)
     if posting != MEGATRON:
-        return False
+        return None
     ahead = lower(schedule, MEGATRON, variable_shapes, post_ahead=True)
     try:
         check_nccl_rules(ahead)
     except ScheduleError:
-        return False
+        return None
     from ..analysis.nccl_timing import unit_cost_makespan
 
     plain = [unit_cost_makespan(program, schedule, t_comm) for t_comm in _AHEAD_PROBES]
     early = [unit_cost_makespan(ahead, schedule, t_comm) for t_comm in _AHEAD_PROBES]
-    return all(e <= p for e, p in zip(early, plain)) and any(
+    faster = all(e <= p for e, p in zip(early, plain)) and any(
         e < p for e, p in zip(early, plain))
+    return ahead if faster else None
 
 
 def nccl_posting_kind(schedule: Schedule, variable_shapes: bool = False) -> str:
@@ -260,10 +266,8 @@ def nccl_posting_kind(schedule: Schedule, variable_shapes: bool = False) -> str:
 def nccl_program(schedule: Schedule, variable_shapes: bool = False) -> Program:
     """The checked program the executor runs on NCCL (the posting ``nccl_posting`` picks,
     receives posted ahead where ``nccl_post_ahead`` says so)."""
-    posting, program, _ = _checked_program(schedule, variable_shapes)
-    if posting == MEGATRON and nccl_post_ahead(schedule, variable_shapes):
-        return lower(schedule, MEGATRON, variable_shapes, post_ahead=True)
-    return program
+    return (_ahead_program(schedule, variable_shapes)
+            or _checked_program(schedule, variable_shapes)[1])
 
 
 __all__ = ["MEGATRON", "LOCKSTEP", "USER", "lower", "nccl_posting", "nccl_posting_kind",
