@@ -162,6 +162,62 @@ def test_pretrain_flag_bit_identical_to_megatron_step():
     assert any(norm <= 1.0 for norm in reference["grad_norm"])
 
 
+def test_pretrain_run_ahead_bit_identical_to_megatron_loop():
+    """``--pp-post-validate --pp-run-ahead`` in ``megatron.training.pretrain`` (4 processes,
+    pp=2 x dp=2, zb-h2, 6 iterations, an evaluation every 2): Megatron-LM's ``train_step`` is
+    the plugin's, each rank starts step k+1 before step k is validated, and every step's
+    loss, grad norm and skipped flag, and every evaluation's loss, are those of Megatron's own
+    loop (1F1B, synchronous step) bit for bit. --clip-grad 0.66 clips some steps and not
+    others; a step after a clipped one is replayed unless the clipped one settled at once
+    (before an evaluation, and the last). What the loop logs lags one iteration."""
+    from support.megatron_loop import merge_history, pretrain_argv, run_pretrain
+    from support.post_validation_pretrain import run_pretrain_reporting_post_validation
+
+    iters, eval_every = 6, 2
+    extra = ["--clip-grad", "0.66", "--eval-interval", str(eval_every), "--eval-iters", "1"]
+    reference = merge_history(spawn(4, run_pretrain, pretrain_argv(pp=2, dp=2, iters=iters,
+                                                                   extra=extra),
+                                    timeout_s=TIMEOUT))
+    argv = pretrain_argv(pp=2, dp=2, schedule="zb-h2", iters=iters,
+                         extra=extra + ["--pp-post-validate", "--pp-run-ahead"])
+    results = spawn(4, run_pretrain_reporting_post_validation, argv, timeout_s=TIMEOUT)
+    settled_at_once = {i for i in range(iters) if (i + 1) % eval_every == 0 or i + 1 == iters}
+    for r in results:
+        steps = r["run_ahead"]
+        assert [s["iteration"] for s in steps] == list(range(iters))
+        assert [s["grad_norm"] for s in steps] == reference["grad_norm"]
+        assert [s["skipped"] for s in steps] == reference["skipped"] == [0] * iters
+        if r["lm loss"]:  # the last pipeline rank of each replica
+            assert [s["lm loss"] for s in steps] == reference["lm loss"]
+            assert r["eval lm loss"] == reference["eval lm loss"]
+            assert len(r["eval lm loss"]) == iters // eval_every + 2  # + valid and test at end
+        # the loop logs step k-1 at iteration k
+        assert r["grad_norm"] == [None] + reference["grad_norm"][:-1]
+        clipped = [o["clipped"] for o in r["post_validated"][0]]
+        assert clipped == [norm > 0.66 for norm in reference["grad_norm"]]
+        replayed = [False] + [clipped[k - 1] and k - 1 not in settled_at_once
+                              for k in range(1, iters)]
+        assert [s["replayed"] for s in steps] == replayed
+        assert any(replayed) and not all(clipped)
+
+
+def test_run_ahead_refuses_flags_that_read_weights_after_the_step():
+    import argparse
+
+    from megatron_pp_ext.integration.run_ahead_step import refused_flags, synchronising_flags
+
+    args = argparse.Namespace(log_params_norm=True, overlap_param_gather=False,
+                              rerun_mode="validate_results")
+    assert refused_flags(args) == [
+        "--log-params-norm (the loop reads every rank's weights after each step, before it "
+        "settles)"]
+    assert synchronising_flags(args) == [
+        "--rerun-mode validate_results all-reduces a flag over every rank after each "
+        "forward-backward (add --rerun-mode disabled)"]
+    args = argparse.Namespace(log_params_norm=False, rerun_mode="disabled")
+    assert refused_flags(args) == [] and synchronising_flags(args) == []
+
+
 # ------------------------------------------------------------------ install() and the flag
 def test_install_option_wraps_megatron_training_optimizer_factory():
     import megatron.core.optimizer as megatron_optimizer
@@ -204,3 +260,36 @@ def test_megatron_lm_flag():
     args.pipeline_schedule = None
     with pytest.raises(ValueError, match="add --pipeline-schedule"):
         megatron_args.schedule_options_from_args(args)
+    args = parser.parse_args(["--pipeline-schedule", "zb-h2", "--pp-post-validate",
+                              "--pp-run-ahead"])
+    args.pipeline_model_parallel_size = 4
+    options = megatron_args.schedule_options_from_args(args)
+    assert options["post_validate"] is True and options["run_ahead"] is True
+    args = parser.parse_args(["--pipeline-schedule", "zb-h2", "--pp-run-ahead"])
+    args.pipeline_model_parallel_size = 4
+    with pytest.raises(ValueError, match="add --pp-post-validate"):
+        megatron_args.schedule_options_from_args(args)
+
+
+def test_install_run_ahead_replaces_train_step_and_puts_it_back():
+    from megatron.training import training
+
+    import megatron_pp_ext
+    from megatron_pp_ext.integration.run_ahead_step import RunAheadTrainStep
+
+    original = training.train_step
+    with pytest.raises(ValueError, match="add post_validate=True"):
+        megatron_pp_ext.install(schedule="zb-h2", run_ahead=True)
+    assert training.train_step is original
+    try:
+        installation = megatron_pp_ext.install(schedule="zb-h2", post_validate=True,
+                                               run_ahead=True)
+        assert isinstance(training.train_step, RunAheadTrainStep)
+        assert installation.train_step is training.train_step
+        megatron_pp_ext.install(schedule="zb-h2", post_validate=True)  # again, without it
+        assert training.train_step is original and installation.train_step is None
+        megatron_pp_ext.install(schedule="zb-h2", post_validate=True, run_ahead=True)
+        assert isinstance(training.train_step, RunAheadTrainStep)
+    finally:
+        megatron_pp_ext.uninstall()
+    assert training.train_step is original

@@ -18,7 +18,9 @@ With ``post_validate=True`` the installation also replaces ``get_megatron_optimi
 a ``megatron`` module bound it (``megatron.core.optimizer`` itself and ``megatron.training``), so
 the optimizer ``setup_model_and_optimizer`` builds comes back wrapped in
 ``post_validation.PostValidatedOptimizer``; ``uninstall()`` (or installing again
-without it) puts the factory back.
+without it) puts the factory back. With ``run_ahead=True`` (which needs ``post_validate``) it
+also replaces Megatron-LM's ``train_step`` with ``run_ahead_step.RunAheadTrainStep``, in the
+same way.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ class Installation:
         self.function.set_options(options)
         self.replaced: list[tuple[object, str, object]] = []  # (module, attribute, original)
         self.optimizer_factory_replaced: list[tuple[object, str, object]] = []
+        self.train_step_replaced: list[tuple[object, str, object]] = []
+        self.train_step = None  # the RunAheadTrainStep Megatron-LM's loop calls, when on
 
     @property
     def options(self) -> PipelineOptions:
@@ -100,9 +104,27 @@ class Installation:
                     self.optimizer_factory_replaced.append((module, name, value))
                     setattr(module, name, get_megatron_optimizer)
 
+    def patch_train_step(self, on: bool) -> None:
+        """Replace (on) or put back (off) Megatron-LM's ``train_step`` in
+        ``megatron.training.training`` with a fresh ``RunAheadTrainStep``."""
+        while self.train_step_replaced:
+            module, name, original = self.train_step_replaced.pop()
+            setattr(module, name, original)
+        self.train_step = None
+        if not on:
+            return
+        from megatron.training import training
+
+        from .run_ahead_step import RunAheadTrainStep
+
+        self.train_step = RunAheadTrainStep()
+        self.train_step_replaced.append((training, "train_step", training.train_step))
+        training.train_step = self.train_step
+
     def uninstall(self) -> None:
         """Put every replaced name back; this installation is then inactive."""
         global _current
+        self.patch_train_step(False)
         self.patch_optimizer_factory(False)
         while self.replaced:
             module, name, original = self.replaced.pop()
@@ -128,17 +150,20 @@ def install(schedule: str | None = None, **options) -> Installation:
     max_pending_backward, microbatch_group_size_per_vp_stage, p2p_timeout_s,
     first_step_timeout_s, trace, post_validate (``get_megatron_optimizer`` then returns its
     optimizer wrapped in ``post_validation.PostValidatedOptimizer``, for ``megatron.training``
-    and any other caller). Installing again switches the active installation to the new options (a
+    and any other caller), run_ahead (with post_validate: Megatron-LM's ``train_step`` runs
+    each step before the previous one is validated, ``run_ahead_step``). Installing again switches the active installation to the new options (a
     change starts afresh) and returns it."""
     global _current
     active = PipelineOptions.from_kwargs(schedule, **options)  # bad input: nothing patched
     if _current is not None:
         _current.function.set_options(active)
         _current.patch_optimizer_factory(active.post_validate)
+        _current.patch_train_step(active.run_ahead)
         return _current
     installation = Installation(active)
     installation.patch_megatron()
     installation.patch_optimizer_factory(active.post_validate)
+    installation.patch_train_step(active.run_ahead)
     _current = installation
     return installation
 

@@ -138,6 +138,14 @@ def add_pipeline_schedule_args(parser: argparse.ArgumentParser) -> argparse.Argu
         "state and the model parameters per rank. Needs --pipeline-schedule.",
     )
     group.add_argument(
+        "--pp-run-ahead", action="store_true",
+        help="With --pp-post-validate: Megatron-LM's train_step starts each step before the "
+        "previous one is validated, so no pipeline rank waits for the others between steps "
+        "(a step whose predecessor is rolled back runs again). Still bit-identical; the log "
+        "shows each step's loss and grad norm one iteration late. Refuses flags that read the "
+        "weights right after a step (--log-params-norm, --overlap-param-gather, ...).",
+    )
+    group.add_argument(
         "--pp-trace", action="store_true",
         help="Record the measured timeline of every step (start/end of each action per rank).",
     )
@@ -169,10 +177,12 @@ def schedule_options_from_args(args: Any) -> dict | None:
     arguments, or None when no schedule is asked for. Raises ValueError naming the fix."""
     name = getattr(args, "pipeline_schedule", None)
     if not name:
-        if getattr(args, "pp_post_validate", False):
-            raise ValueError(
-                "--pp-post-validate is a megatron-pp-ext option: add --pipeline-schedule NAME "
-                "(1f1b runs Megatron's 1F1B order bit for bit) or drop --pp-post-validate")
+        for flag in ("pp_post_validate", "pp_run_ahead"):
+            if getattr(args, flag, False):
+                dashed = "--" + flag.replace("_", "-")
+                raise ValueError(
+                    f"{dashed} is a megatron-pp-ext option: add --pipeline-schedule NAME "
+                    f"(1f1b runs Megatron's 1F1B order bit for bit) or drop {dashed}")
         return None
     try:  # e.g. a typo in $MEGATRON_PP_SCHEDULE set after the arguments were parsed
         name = resolve_schedule_value(name)
@@ -248,6 +258,11 @@ def _with_post_validation(options: dict, args: Any) -> dict:
     trace file's folder with --pp-trace-dir (which turns tracing on)."""
     if getattr(args, "pp_post_validate", False):
         options["post_validate"] = True
+    if getattr(args, "pp_run_ahead", False):
+        if not getattr(args, "pp_post_validate", False):
+            raise ValueError("--pp-run-ahead starts each step before the previous one is "
+                             "validated: add --pp-post-validate")
+        options["run_ahead"] = True
     if getattr(args, "pp_trace_dir", None):
         options["trace"], options["trace_dir"] = True, args.pp_trace_dir
     return options

@@ -47,6 +47,9 @@ class PipelineOptions:
     #: ``post_validation.PostValidatedOptimizer``: each rank steps before the global grad norm
     #: and found-inf arrive, and rolls back exactly when they say otherwise
     post_validate: bool = False
+    #: replace Megatron-LM's ``train_step`` with ``run_ahead_step.RunAheadTrainStep``: each
+    #: rank starts its next step before this one is validated (needs ``post_validate``)
+    run_ahead: bool = False
 
     def __post_init__(self):
         from ..schedules import canonical_name, is_schedule_file
@@ -70,6 +73,10 @@ class PipelineOptions:
             raise ValueError(f"auto_measure_steps={self.auto_measure_steps} must be >= 1")
         if self.max_pending_backward is not None and self.max_pending_backward < 1:
             raise ValueError(f"max_pending_backward={self.max_pending_backward} must be >= 1")
+        if self.run_ahead and not self.post_validate:
+            raise ValueError("run_ahead=True starts the next step before this one is "
+                             "validated, which needs the post-validated optimizer step: add "
+                             "post_validate=True (Megatron-LM: --pp-post-validate)")
 
     # ---- schedule files
     @property

@@ -278,11 +278,12 @@ class PostValidatedOptimizer:
 
     def __getattr__(self, name):
         value = getattr(self._wrapped, name)
-        if self.run_ahead and name in ("get_loss_scale", "scale_loss"):
-            return value  # run ahead: the next step scales with the current (unsettled) scale
         if name in PostValidatedOptimizer._SETTLING and callable(value):
+            # decided per call: Megatron binds scale_loss once (config.grad_scale_func),
+            # before RunAhead switches run_ahead on
             def settled(*args, **kwargs):
-                self.settle()
+                if not (self.run_ahead and name in ("get_loss_scale", "scale_loss")):
+                    self.settle()  # run ahead, the next step scales with the current scale
                 return value(*args, **kwargs)
             return settled
         return value

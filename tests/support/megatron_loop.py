@@ -11,8 +11,9 @@ on the CPU with gloo, as a :func:`megatron_pp_ext.train.processes.spawn` target.
 Each rank parses ``argv`` exactly as Megatron-LM's ``pretrain_gpt.py`` (with the plugin's
 argument group, as ``scripts/pretrain_gpt_pp.py`` adds it), installs the schedule named by
 ``--pipeline-schedule`` (none: Megatron's own schedule), and calls ``pretrain()`` with our GPT
-model provider and a ``MockGPTDataset`` provider. ``train_step`` is wrapped only to *record*
-what it returns (the reduced losses and the grad norm); everything else is Megatron's.
+model provider and a ``MockGPTDataset`` provider. ``train_step`` (Megatron's, or the plugin's
+with ``--pp-run-ahead``) is wrapped only to *record* what it returns (the reduced losses and
+the grad norm); everything else is Megatron's.
 
 The model is Megatron's own GPT (``gpt_config_from_args(args)`` and its builder, the spec
 ``pretrain_gpt.py`` trains), handed to ``pretrain()`` through
@@ -314,8 +315,11 @@ def run_pretrain(rank: int, world_size: int, argv: Sequence[str]) -> dict[str, A
         pretrain_model_for_args,
     )
 
+    sys.argv = ["pretrain_gpt.py", *argv]
+    args = parse_and_validate_args(extra_args_provider=add_pipeline_schedule_args)
+    install_from_args(args)
     history: dict[str, Any] = {"lm loss": [], "grad_norm": [], "skipped": [], "schedule": None}
-    original_train_step = training.train_step
+    original_train_step = training.train_step  # Megatron's, or --pp-run-ahead's
 
     def recording_train_step(*args, **kwargs):
         out = original_train_step(*args, **kwargs)
@@ -329,9 +333,16 @@ def run_pretrain(rank: int, world_size: int, argv: Sequence[str]) -> dict[str, A
         return out
 
     training.train_step = recording_train_step  # observation only: records, changes nothing
-    sys.argv = ["pretrain_gpt.py", *argv]
-    args = parse_and_validate_args(extra_args_provider=add_pipeline_schedule_args)
-    install_from_args(args)
+    history["eval lm loss"] = []
+    original_evaluate = training.evaluate
+
+    def recording_evaluate(*args, **kwargs):  # observation only, as above
+        out = original_evaluate(*args, **kwargs)
+        if out[0] and "lm loss" in out[0]:
+            history["eval lm loss"].append(float(out[0]["lm loss"]))
+        return out
+
+    training.evaluate = recording_evaluate
     # The model: Megatron's GPT builder from the arguments (the spec pretrain_gpt.py trains),
     # through pretrain_model_for_args as scripts/pretrain_gpt_pp.py calls it (V layout for
     # zb-v / dualpipev), as a provider so that with_global_init can fill the weights.
@@ -347,6 +358,15 @@ def run_pretrain(rank: int, world_size: int, argv: Sequence[str]) -> dict[str, A
         model_provider=with_global_init(provider),
     )
     history["rank"] = rank
+    from megatron_pp_ext.integration.install import current_installation
+
+    installation = current_installation()
+    if installation is not None and installation.train_step is not None:  # --pp-run-ahead
+        history["run_ahead"] = [
+            {"lm loss": float(r.loss["lm loss"]) if "lm loss" in r.loss else None,
+             "grad_norm": None if r.grad_norm is None else float(r.grad_norm),
+             "skipped": r.skipped, "replayed": r.replayed, "iteration": r.iteration}
+            for r in installation.train_step.reports]
     return history
 
 
@@ -359,5 +379,6 @@ def merge_history(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
     losses = reporting[0]["lm loss"]
     for other in reporting[1:]:
         assert other["lm loss"] == losses, (reporting[0]["rank"], other["rank"])
-    return {"lm loss": losses, "grad_norm": results[0]["grad_norm"],
+    return {"lm loss": losses, "eval lm loss": reporting[0].get("eval lm loss", []),
+            "grad_norm": results[0]["grad_norm"],
             "skipped": results[0]["skipped"], "schedule": results[0]["schedule"]}
