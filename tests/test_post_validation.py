@@ -275,9 +275,10 @@ def test_install_run_ahead_replaces_train_step_and_puts_it_back():
     from megatron.training import training
 
     import megatron_pp_ext
-    from megatron_pp_ext.integration.run_ahead_step import RunAheadTrainStep
+    from megatron_pp_ext.integration.run_ahead_step import LocalMaxStat, RunAheadTrainStep
 
     original = training.train_step
+    original_max_stat = training.reduce_max_stat_across_model_parallel_group
     with pytest.raises(ValueError, match="add post_validate=True"):
         megatron_pp_ext.install(schedule="zb-h2", run_ahead=True)
     assert training.train_step is original
@@ -286,10 +287,15 @@ def test_install_run_ahead_replaces_train_step_and_puts_it_back():
                                                run_ahead=True)
         assert isinstance(training.train_step, RunAheadTrainStep)
         assert installation.train_step is training.train_step
+        # training_log's per-iteration learning-rate all-reduce, made local once checked
+        assert isinstance(training.reduce_max_stat_across_model_parallel_group, LocalMaxStat)
+        assert training.train_step.max_stat is training.reduce_max_stat_across_model_parallel_group
         megatron_pp_ext.install(schedule="zb-h2", post_validate=True)  # again, without it
         assert training.train_step is original and installation.train_step is None
+        assert training.reduce_max_stat_across_model_parallel_group is original_max_stat
         megatron_pp_ext.install(schedule="zb-h2", post_validate=True, run_ahead=True)
         assert isinstance(training.train_step, RunAheadTrainStep)
     finally:
         megatron_pp_ext.uninstall()
     assert training.train_step is original
+    assert training.reduce_max_stat_across_model_parallel_group is original_max_stat

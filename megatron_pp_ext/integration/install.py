@@ -106,7 +106,8 @@ class Installation:
 
     def patch_train_step(self, on: bool) -> None:
         """Replace (on) or put back (off) Megatron-LM's ``train_step`` in
-        ``megatron.training.training`` with a fresh ``RunAheadTrainStep``."""
+        ``megatron.training.training`` with a fresh ``RunAheadTrainStep``, and the
+        learning-rate reduction of its ``training_log`` with a ``LocalMaxStat``."""
         while self.train_step_replaced:
             module, name, original = self.train_step_replaced.pop()
             setattr(module, name, original)
@@ -115,9 +116,15 @@ class Installation:
             return
         from megatron.training import training
 
-        from .run_ahead_step import RunAheadTrainStep
+        from .run_ahead_step import LocalMaxStat, RunAheadTrainStep
 
-        self.train_step = RunAheadTrainStep()
+        max_stat = None
+        if hasattr(training, "reduce_max_stat_across_model_parallel_group"):  # training_log's
+            max_stat = LocalMaxStat(training.reduce_max_stat_across_model_parallel_group)
+            self.train_step_replaced.append(
+                (training, "reduce_max_stat_across_model_parallel_group", max_stat.original))
+            training.reduce_max_stat_across_model_parallel_group = max_stat
+        self.train_step = RunAheadTrainStep(max_stat)
         self.train_step_replaced.append((training, "train_step", training.train_step))
         training.train_step = self.train_step
 

@@ -134,11 +134,33 @@ def _reduced_losses(losses_reduced, dp_cp_group) -> dict:
     return reduced
 
 
+class LocalMaxStat:
+    """Stands in for ``reduce_max_stat_across_model_parallel_group`` in
+    ``megatron.training.training`` while run-ahead is on. Megatron-LM's ``training_log``
+    all-reduces the learning rate over the model-parallel group every iteration (blocking: the
+    first pipeline rank waits there for the last one to finish the step), only because a rank
+    without trainable parameters has none. Once :class:`RunAheadTrainStep` has checked, with
+    one reduction at its first step, that every rank of the group has trainable parameters
+    (so every rank steps the same scheduler to the same rate), the MAX of equal values is each
+    rank's own value: this returns it rounded as the reduction would, without waiting."""
+
+    def __init__(self, original):
+        self.original = original
+        self.local = False  # set by RunAheadTrainStep's first step
+
+    def __call__(self, stat, group=None):
+        if self.local and stat is not None:
+            return _as_train_step_reports(stat)
+        return self.original(stat, group=group)
+
+
 class RunAheadTrainStep:
     """Drop-in for ``megatron.training.training.train_step`` (same arguments, same eight
-    return values) that runs ahead; see the module's docstring."""
+    return values) that runs ahead; see the module's docstring. ``max_stat``: the
+    :class:`LocalMaxStat` the installation put in ``training_log``'s way, if any."""
 
-    def __init__(self):
+    def __init__(self, max_stat: Optional[LocalMaxStat] = None):
+        self.max_stat = max_stat
         self.run: Optional[RunAhead] = None
         self.reports: list[StepReport] = []  # every settled step, in order
         self._unreported = 0  # reports not yet returned to the loop
@@ -162,6 +184,7 @@ class RunAheadTrainStep:
                 raise ValueError("--pp-run-ahead (install(run_ahead=True)) cannot run with "
                                  + "; ".join(refused) + ": drop those flags or --pp-run-ahead")
             self.run = RunAhead(optimizer, model)
+            self._check_every_rank_has_parameters(model, pg_collection)
             for line in synchronising_flags(args):
                 from megatron.training.utils import print_rank_0
 
@@ -199,6 +222,25 @@ class RunAheadTrainStep:
         if _settles_after(args, iteration):
             self._settled(self.run.finish(), opt_param_scheduler)
         return self._report(should_checkpoint, should_exit, exit_code)
+
+    def _check_every_rank_has_parameters(self, model, pg_collection) -> None:
+        """One MIN reduction over the model-parallel group (at the first step): whether the
+        learning-rate reduction of ``training_log`` can be local (:class:`LocalMaxStat`)."""
+        if self.max_stat is None:
+            return
+        from megatron.core import parallel_state
+
+        has = any(p.requires_grad for chunk in model for p in chunk.parameters())
+        flag = torch.tensor([1 if has else 0], dtype=torch.int32)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN,
+                                     group=parallel_state.get_model_parallel_group())
+        self.max_stat.local = bool(flag.item())
+        if not self.max_stat.local:
+            from megatron.training.utils import print_rank_0
+
+            print_rank_0("megatron-pp-ext run-ahead: a model-parallel rank has no trainable "
+                         "parameters, so training_log's learning-rate all-reduce stays: the "
+                         "ranks still wait for each other every step")
 
     def _settled(self, outcome, opt_param_scheduler) -> None:
         """The pending step's outcome is known: step the scheduler as Megatron would, and

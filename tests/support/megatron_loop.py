@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import time
 from typing import Any, Optional, Sequence
 
 import torch
@@ -321,8 +322,11 @@ def run_pretrain(rank: int, world_size: int, argv: Sequence[str]) -> dict[str, A
     history: dict[str, Any] = {"lm loss": [], "grad_norm": [], "skipped": [], "schedule": None}
     original_train_step = training.train_step  # Megatron's, or --pp-run-ahead's
 
+    history["step_end_s"] = []  # when each train_step returned (bench: steady step time)
+
     def recording_train_step(*args, **kwargs):
         out = original_train_step(*args, **kwargs)
+        history["step_end_s"].append(time.perf_counter())
         loss_dict, skipped, grad_norm = out[0], out[1], out[5]
         if "lm loss" in loss_dict:
             history["lm loss"].append(float(loss_dict["lm loss"]))
