@@ -675,7 +675,9 @@ def cross_step_main(argv=None) -> int:
     parser.add_argument("--t", type=float, default=0.020)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--b2b-reps", type=int, default=3)
-    parser.add_argument("--k-steps", type=int, default=4)
+    # 8: run ahead, the ranks' offsets take a few steps to settle; over 4 steps the ramp
+    # counted (zb-h2 run ahead 0.76-0.79 of 1F1B over 4 steps, 0.74 over 8)
+    parser.add_argument("--k-steps", type=int, default=8)
     parser.add_argument("--niceness", type=int, default=-20)
     parser.add_argument("--rollback-steps", default="2",
                         help="comma-separated steps (of --k-steps) whose norm is above the clip; "
@@ -683,6 +685,9 @@ def cross_step_main(argv=None) -> int:
     parser.add_argument("--out", default="bench/results/cross_step")
     args = parser.parse_args(argv)
     rollbacks = tuple(int(x) for x in args.rollback_steps.split(",") if x.strip())
+    from bench import provenance
+
+    prov = provenance.current(argv)  # before the run: a later edit would not be measured
     tree = run(args.p, (args.m,), t=args.t, reps=args.reps, back_to_back_ms=(args.m,),
                k_steps=args.k_steps, b2b_reps=args.b2b_reps, megatron=False,
                niceness=args.niceness, only=tuple(CROSS_STEP), rollback_steps=rollbacks,
@@ -690,6 +695,7 @@ def cross_step_main(argv=None) -> int:
     from bench.report import cross_step_table
 
     text = "\n".join(cross_step_table([tree]))
+    text += f"\n\nRun: {provenance.short(prov)}\n"
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     timelines = tree.pop("cross_timelines", [])

@@ -235,8 +235,9 @@ def cross_step_table(trees: list) -> list[str]:
            f"{first['rollback_steps']} of steps 0-{first['k'] - 1} the norm is above the clip: "
            "restore and redo, t_copy + t_opt more). *run-ahead*: `post_validation.RunAhead` "
            "(the next step starts at once on the optimistic weights; the previous step settles "
-           "after its compute; a step after a rolled-back one is replayed). Steady step as back "
-           "to back; vs 1F1B sync: per-round ratio to 1F1B with Megatron's step, median "
+           "after its compute; a step after a rolled-back one is replayed). Steady step "
+           f"(E_{first['k']} - E_1) / {first['k'] - 1} over {first['k']} steps back to back "
+           "(E_j: when the last rank's step j returns); vs 1F1B sync: per-round ratio to 1F1B with Megatron's step, median "
            "(min-max).", "",
            "| p | m | schedule | mode | steady step (ms) | vs 1F1B sync | vs 1F1B same mode | "
            "back to back, no optimizer (ms) | single step, barrier (ms) |",
