@@ -72,7 +72,12 @@ MEGATRON = [("megatron 1f1b", "megatron-1f1b", 1, ("1f1b", 1)),
             ("megatron interleaved v=2", "megatron-interleaved", 2, ("interleaved", 2)),
             ("plugin 1f1b on megatron stage", "plugin-1f1b", 1, ("1f1b", 1))]
 BACK_TO_BACK = ["1f1b", "zb-h1", "zb-h2", "zb-v", "dualpipev", "megatron 1f1b"]
-CROSS_STEP = ["1f1b", "zb-h2", "zb-v"]  # back to back with clipping and loss scaling emulated
+# Built only when asked for by name (Setup.only): (label, registry name, v, builder options
+# as a function of p). zb-v with 2p-1 warm-up forwards: zb-h2's memory, steps that overlap.
+PLUGIN_ONLY_WHEN_ASKED = [("zb-v w=2p-1", "zb-v", 2,
+                           lambda p: {"warmup_forwards": max(p, 2 * p - 1)})]
+# back to back with clipping and loss scaling emulated
+CROSS_STEP = ["1f1b", "zb-h2", "zb-v", "zb-v w=2p-1"]
 OPTIMIZER_MODES = ("sync", "post-validated", "run-ahead")
 
 ROWS, WIDTH = 8, 64  # the emulated activation: 8 x 64 float64 = 4 KiB
@@ -444,6 +449,17 @@ def tree(rank: int, world: int, setup: Setup) -> dict:
                               plugin_step(s, rank, transport, w, i, c))
             tracers[label] = (lambda s=schedule, w=weights, i=inputs, c=costs:
                               plugin_step(s, rank, transport, w, i, c, trace=True))
+        for label, name, v, options_for in PLUGIN_ONLY_WHEN_ASKED:
+            if label not in setup.only:
+                continue
+            schedule = build_schedule(name, p, m, v, **options_for(p))
+            weights = stage_weights(schedule.num_stages, WIDTH)
+            inputs = microbatch_inputs(m, ROWS, WIDTH)
+            costs = costs_for(t, v)
+            runners[label] = (lambda s=schedule, w=weights, i=inputs, c=costs:
+                              plugin_step(s, rank, transport, w, i, c))
+            tracers[label] = (lambda s=schedule, w=weights, i=inputs, c=costs:
+                              plugin_step(s, rank, transport, w, i, c, trace=True))
         for label, key, v, _ in (MEGATRON if setup.megatron else []):
             function, chunks = megatron[key]
             runners[label] = lambda f=function, c=chunks: megatron_step(f, c, m, data)
@@ -600,6 +616,7 @@ def summarize(per_rank: list[dict], setup: Setup) -> dict:
 
 def _v_of(label: str) -> int:
     chunks = {label: v for label, _, v in PLUGIN}
+    chunks.update({label: v for label, _, v, _ in PLUGIN_ONLY_WHEN_ASKED})
     chunks.update({label: v for label, _, v, _ in MEGATRON})
     return chunks[label]
 

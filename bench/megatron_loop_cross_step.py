@@ -14,7 +14,8 @@ Rows (one launch of 4 processes each, rotating order, ``rounds`` rounds):
 * ``1f1b sync``: ``--pipeline-schedule 1f1b``, Megatron-LM's own ``train_step`` (its
   ``optimizer.step()`` waits for the grad norm and found-inf of every rank);
 * ``zb-h2 sync``: the same with zb-h2;
-* ``zb-h2 run-ahead`` / ``zb-v run-ahead``: ``--pp-post-validate --pp-run-ahead``
+* ``zb-h2 run-ahead`` / ``zb-v run-ahead``: ``--pp-post-validate --pp-run-ahead``; ``zb-v w=7
+  run-ahead`` with ``--pp-warmup-forwards 7`` (2p-1: zb-h2's memory, steps that overlap)
   (``integration.run_ahead_step``), with ``--rerun-mode disabled`` (its flag all-reduce would
   hold the ranks together every step: ``run_ahead_step.synchronising_flags``).
 
@@ -40,11 +41,13 @@ for path in (ROOT, ROOT / "tests"):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
-ROWS = {  # label: (schedule, vp, run ahead)
-    "1f1b sync": ("1f1b", None, False),
-    "zb-h2 sync": ("zb-h2", None, False),
-    "zb-h2 run-ahead": ("zb-h2", None, True),
-    "zb-v run-ahead": ("zb-v", 2, True),
+ROWS = {  # label: (schedule, vp, run ahead, more flags)
+    "1f1b sync": ("1f1b", None, False, ()),
+    "zb-h2 sync": ("zb-h2", None, False, ()),
+    "zb-h2 run-ahead": ("zb-h2", None, True, ()),
+    "zb-v run-ahead": ("zb-v", 2, True, ()),
+    # zb-v at zb-h2's memory: 2p-1 = 7 warm-up forwards, so that its steps overlap
+    "zb-v w=7 run-ahead": ("zb-v", 2, True, ("--pp-warmup-forwards", "7")),
 }
 
 
@@ -87,11 +90,12 @@ def run_rank(rank: int, world_size: int, argv, t: float, t_opt: float, t_copy: f
 def argv_for(label: str, iters: int, m: int, clip: float) -> list[str]:
     from support.megatron_loop import pretrain_argv
 
-    schedule, vp, run_ahead = ROWS[label]
+    schedule, vp, run_ahead, more = ROWS[label]
     extra = ["--fp16", "--initial-loss-scale", "1024", "--clip-grad", str(clip), "--rerun-mode", "disabled",
              "--log-interval", str(iters + 1), "--timing-log-level", "0"]
     if run_ahead:
         extra += ["--pp-post-validate", "--pp-run-ahead"]
+    extra += list(more)
     argv = pretrain_argv(pp=4, dp=1, schedule=schedule, vp=vp, iters=iters,
                          num_microbatches=m, extra=extra)
     argv.remove("--bf16")

@@ -209,6 +209,18 @@ def test_every_schedule_runs_on_the_nccl_rules_fabric(name):
                     else len(sizes))
 
 
+def test_zb_v_with_the_longest_warmup_runs_on_the_nccl_rules_fabric():
+    """zb-v with warmup_forwards = 2p-1 (the back-to-back form), p 1..8 x m 1..16: it passes
+    NCCL's rules and every step posts the checked program, runs the lists and equals pp=1."""
+    runs = 0
+    for p in range(1, 9):
+        for m in range(1, 17):
+            schedule = build_schedule("zb-v", p, m, 2, warmup_forwards=max(p, 2 * p - 1))
+            _run_as_lowered(schedule, f"zb-v warmup_forwards={2 * p - 1} p={p} m={m}")
+            runs += 1
+    assert runs == 128
+
+
 def test_random_delays_on_the_nccl_rules_fabric():
     """200 runs, random schedule, size and per-rank delays: no hang, posted = the program,
     gradients = pp=1."""

@@ -271,6 +271,25 @@ def test_megatron_lm_flag():
         megatron_args.schedule_options_from_args(args)
 
 
+def test_zb_v_warmup_forwards_option_and_flag():
+    import argparse
+
+    import megatron_pp_ext
+    from megatron_pp_ext.integration import megatron_args
+
+    with pytest.raises(ValueError, match="warmup_forwards=7 shapes zb-v only, not zb-h2"):
+        megatron_pp_ext.install(schedule="zb-h2", warmup_forwards=7)
+    parser = megatron_args.add_pipeline_schedule_args(argparse.ArgumentParser())
+    args = parser.parse_args(["--pipeline-schedule", "zb-v", "--pp-warmup-forwards", "7"])
+    args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size = 4, 2
+    args.untie_embeddings_and_output_weights = True
+    assert megatron_args.schedule_options_from_args(args)["warmup_forwards"] == 7
+    args = parser.parse_args(["--pipeline-schedule", "zb-h2", "--pp-warmup-forwards", "7"])
+    args.pipeline_model_parallel_size = 4
+    with pytest.raises(ValueError, match="--pp-warmup-forwards 7 shapes zb-v only"):
+        megatron_args.schedule_options_from_args(args)
+
+
 def test_install_run_ahead_replaces_train_step_and_puts_it_back():
     from megatron.training import training
 

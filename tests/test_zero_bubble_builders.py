@@ -504,3 +504,46 @@ def test_list_scheduler_reports_when_stuck():
         merge_streams((0, 1), 2, [[[(0, "F")] * 2, [(0, "I")] * 2], [[(1, "F")] * 2,
                                                                       [(1, "I")] * 2]],
                       kind_first("FIW"), live_cap=[0, 1])
+
+
+# ------------------------------------------------------------------ zb-v's warm-up forwards
+def _back_to_back_periods(schedule, k=6):
+    """The step-to-step periods of ``k`` steps run back to back (each rank starts step j+1 when
+    its own part of step j is done), simulated with t_F = t_I = t_W = 1 per rank."""
+    from bench.emulated_device import concatenated, step_ends
+
+    unit = CostModel(t_f=1, t_i=1, t_w=1, t_b=2, t_comm=0)
+    ends = step_ends(simulate(concatenated(schedule, k), unit), schedule.num_microbatches, k)
+    return [b - a for a, b in zip(ends, ends[1:])]
+
+
+def test_zb_v_warmup_forwards_trade_memory_for_overlapping_steps():
+    """p=4, m=8: every warm-up length w from p to 2p-1 keeps the least single-step makespan
+    (6m + p - 1 chunk-slots of 1/2: 25.5) and runs w chunk-0 forwards on every rank before its
+    first chunk-1 input gradient; each forward more takes one chunk-slot off the back-to-back
+    step, down to 6m slots (24.0: no bubble, zb-h2's figure) at 2p-1, and holds 2 more
+    microbatch-chunks at the peak (14 = zb-h2's 2p-1 microbatches)."""
+    unit = CostModel(t_f=1, t_i=1, t_w=1, t_b=2, t_comm=0)
+    periods, peaks = {}, {}
+    for w in range(4, 8):
+        schedule = build_schedule("zb-v", 4, 8, 2, warmup_forwards=w)
+        validate_schedule(schedule, channels="pair")
+        timeline = simulate(schedule, unit)
+        assert timeline.makespan == 25.5
+        for rank, row in enumerate(schedule.actions):
+            down = [a for a in row if a.stage == rank and a.kind == "F"
+                    or a.stage == 7 - rank and a.kind == "I"]
+            assert [a.kind for a in down[:w + 1]] == ["F"] * w + ["I"], (w, rank)
+        periods[w] = set(_back_to_back_periods(schedule))
+        peaks[w] = timeline.peak_activations
+    assert periods == {4: {25.5}, 5: {25.0}, 6: {24.5}, 7: {24.0}}
+    assert peaks == {4: [8, 8, 8, 8], 5: [10, 10, 10, 10], 6: [12, 12, 12, 12],
+                     7: [12, 14, 14, 14]}
+    assert set(_back_to_back_periods(build_schedule("zb-h2", 4, 8))) == {24.0}
+    assert max(peaks[7]) == 2 * (2 * 4 - 1)  # zb-h2's peak: 2p-1 microbatches
+
+
+@pytest.mark.parametrize("w", [3, 8, 4.5])
+def test_zb_v_warmup_forwards_out_of_range_is_refused(w):
+    with pytest.raises(ScheduleError, match=r"warmup_forwards=.* p to 2p-1 .*\(p=4: 4 to 7\)"):
+        build_schedule("zb-v", 4, 8, 2, warmup_forwards=w)

@@ -169,6 +169,9 @@ def register(subparsers) -> None:
     parser.add_argument("--width", type=int, help="ascii: scale the grid to this many columns")
     parser.add_argument("--max-pending-backward", type=int, metavar="K",
                         help="builder option of the zero-bubble schedules")
+    parser.add_argument("--warmup-forwards", type=int, metavar="W",
+                        help="zb-v: chunk-0 forwards before the first chunk-1 input gradient, "
+                        "p (default) to 2p-1")
     parser.add_argument("--channels", choices=CHANNELS, default="sender",
                         help="message matching to validate against: one in-order channel per "
                         "rank pair (default, NCCL) or per pair and kind (activations apart "
@@ -212,6 +215,8 @@ def make_schedule(args) -> Schedule:
     options = {}
     if args.max_pending_backward is not None:
         options["max_pending_backward"] = args.max_pending_backward
+    if args.warmup_forwards is not None:
+        options["warmup_forwards"] = args.warmup_forwards
     return build_schedule(args.schedule, args.ranks, args.microbatches, args.chunks,
                           validate=False, **options)
 

@@ -126,6 +126,12 @@ def add_pipeline_schedule_args(parser: argparse.ArgumentParser) -> argparse.Argu
         "Default: the schedule's own bound (zb-h1: p, zb-h2: 2p-1).",
     )
     group.add_argument(
+        "--pp-warmup-forwards", type=_positive(int), default=None,
+        help="zb-v: chunk-0 forwards each rank runs before its first chunk-1 input gradient, "
+        "p (default: 1F1B's activation memory) to 2p-1 (ZB-H2's memory: rank 0 never waits "
+        "in the warm-up, so with --pp-run-ahead consecutive steps overlap).",
+    )
+    group.add_argument(
         "--pp-p2p-timeout-s", type=_positive(float), default=None,
         help="Seconds a pipeline send/recv may wait before it fails naming rank, peer and action.",
     )
@@ -231,6 +237,10 @@ def schedule_options_from_args(args: Any) -> dict | None:
             f"backward into input and weight gradients ({', '.join(split)}), not to {name}: "
             "drop it or pick one of those"
         )
+    warmup = getattr(args, "pp_warmup_forwards", None)
+    if warmup is not None and name != "zb-v":
+        raise ValueError(f"--pp-warmup-forwards {warmup} shapes zb-v only, not {name}: drop "
+                         "it or use --pipeline-schedule zb-v")
     if asked is not None and asked != need:
         raise ValueError(
             f"--pp-schedule-chunks {asked} does not fit --pipeline-schedule {name}, "
@@ -247,6 +257,7 @@ def schedule_options_from_args(args: Any) -> dict | None:
         schedule=name,
         chunks=need if need > 1 else asked,
         max_pending_backward=pending,
+        warmup_forwards=warmup,
         microbatch_group_size_per_vp_stage=getattr(args, "microbatch_group_size_per_vp_stage", None),
         p2p_timeout_s=getattr(args, "pp_p2p_timeout_s", None),
         trace=bool(getattr(args, "pp_trace", False)),
@@ -283,10 +294,12 @@ def _file_options_from_args(path: str, args: Any) -> dict:
             f"--pipeline-schedule {path} has {p} rows (one per pipeline rank), but "
             f"--pipeline-model-parallel-size is {pp}: set --pipeline-model-parallel-size {p}, "
             f"or write the schedule for p={pp}")
-    if getattr(args, "pp_max_pending_backward", None) is not None:
-        raise ValueError(
-            f"--pp-max-pending-backward shapes a built schedule, but --pipeline-schedule {path} "
-            "fixes every rank's order: drop --pp-max-pending-backward")
+    for flag in ("pp_max_pending_backward", "pp_warmup_forwards"):
+        if getattr(args, flag, None) is not None:
+            dashed = "--" + flag.replace("_", "-")
+            raise ValueError(
+                f"{dashed} shapes a built schedule, but --pipeline-schedule {path} "
+                f"fixes every rank's order: drop {dashed}")
     asked = getattr(args, "pp_schedule_chunks", None)
     if asked is not None and asked != v:
         raise ValueError(

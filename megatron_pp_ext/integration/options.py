@@ -26,6 +26,9 @@ class PipelineOptions:
     schedule: str = "1f1b"
     chunks: int | None = None  # model chunks per rank (interleaved: v; V schedules: 2)
     max_pending_backward: int | None = None  # zb-h1 / zb-h2: bound on pending W's
+    #: zb-v: chunk-0 forwards before the first chunk-1 input gradient, p (default) to 2p-1
+    #: (memory 2 x that in microbatch-chunks; 2p-1 lets consecutive steps overlap)
+    warmup_forwards: int | None = None
     microbatch_group_size_per_vp_stage: int | None = None  # interleaved; default from config
     # every wait on a peer; None: derived from the process group's timeout (``timeouts``)
     p2p_timeout_s: float | None = None
@@ -73,6 +76,9 @@ class PipelineOptions:
             raise ValueError(f"auto_measure_steps={self.auto_measure_steps} must be >= 1")
         if self.max_pending_backward is not None and self.max_pending_backward < 1:
             raise ValueError(f"max_pending_backward={self.max_pending_backward} must be >= 1")
+        if self.warmup_forwards is not None and self.schedule != "zb-v":
+            raise ValueError(f"warmup_forwards={self.warmup_forwards} shapes zb-v only, not "
+                             f"{self.schedule}: drop it or use schedule='zb-v'")
         if self.run_ahead and not self.post_validate:
             raise ValueError("run_ahead=True starts the next step before this one is "
                              "validated, which needs the post-validated optimizer step: add "
@@ -96,7 +102,7 @@ class PipelineOptions:
         if self.schedule_text is None:
             object.__setattr__(self, "schedule_text", read_schedule_file(self.schedule))
         schedule = self.file_schedule()
-        builder_only = [name for name in ("max_pending_backward",
+        builder_only = [name for name in ("max_pending_backward", "warmup_forwards",
                                           "microbatch_group_size_per_vp_stage")
                         if getattr(self, name) is not None]
         if builder_only:
@@ -140,6 +146,8 @@ class PipelineOptions:
             options["max_pending_backward"] = self.max_pending_backward
         if self.microbatch_group_size_per_vp_stage is not None:
             options["microbatch_group_size_per_vp_stage"] = self.microbatch_group_size_per_vp_stage
+        if self.warmup_forwards is not None:
+            options["warmup_forwards"] = self.warmup_forwards
         return options
 
     def to_dict(self) -> dict:

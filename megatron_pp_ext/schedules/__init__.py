@@ -59,7 +59,8 @@ REGISTRY: dict[str, ScheduleSpec] = {
                      "any p >= 1, m >= 1; v = 1; max_pending_backward >= 1 (default p)"),
         ScheduleSpec("zb-h2", build_zb_h2, "loop", 1, True,
                      "any p >= 1, m >= 1; v = 1; max_pending_backward >= 1 (default 2p-1)"),
-        ScheduleSpec("zb-v", build_zb_v, "v", 2, True, "v = 2 (V layout); any p >= 1, m >= 1"),
+        ScheduleSpec("zb-v", build_zb_v, "v", 2, True, "v = 2 (V layout); any p >= 1, m >= 1; p <= warmup_forwards <= 2p-1 "
+                     "(default p)"),
         ScheduleSpec("dualpipev", build_dualpipev, "v", 2, True,
                      "v = 2 (V layout); any p >= 1, m >= 1 (m < 2p: the order for 2p "
                      "microbatches, cut to m); match_dualpipe=True: DualPipe's own order"),

@@ -49,22 +49,41 @@ def _stream(first: tuple[int, str], second: tuple[int, str], lead: int, m: int) 
 
 
 def build_zb_v(num_ranks: int, num_microbatches: int, chunks: int = 2,
-               forward_only: bool = False, **_options) -> Schedule:
+               forward_only: bool = False, warmup_forwards: int | None = None,
+               **_options) -> Schedule:
+    """``warmup_forwards`` (p to 2p-1, default p): the chunk-0 forwards every rank runs before
+    its first chunk-1 input gradient (the streams' lead), and so the memory: a rank holds at
+    most 2 x warmup_forwards microbatch-chunks. p is 1F1B's peak and the least makespan of one
+    step; 2p-1 is ZB-H2's peak and fills rank 0's wait for its first chunk-1 forward, so that
+    consecutive steps overlap back to back (run ahead, ``integration.run_ahead_step``) as
+    ZB-H2's do: with t_F = t_I = t_W the simulated back-to-back step is 6m + p - 1 - (w - p)
+    chunk-slots for w = warmup_forwards (p=4, m=8: 51 at w=p, 48 = 6m at 2p-1, the least: 6m
+    of work per rank, zb-h2's figure at the same memory)."""
     check_sizes("zb-v", num_ranks, num_microbatches)
     require(chunks == 2, "zb-v",
             f"chunks v={chunks!r} is not allowed: zb-v is the V layout with exactly 2 chunks "
             "per rank (rank r holds stages r and 2p-1-r); pass chunks=2 or leave it unset")
     p, m = num_ranks, num_microbatches
+    lead = p if warmup_forwards is None else warmup_forwards
+    require(isinstance(lead, int) and p <= lead <= max(p, 2 * p - 1), "zb-v",
+            f"warmup_forwards={warmup_forwards!r} is not allowed: each rank runs p to 2p-1 "
+            f"chunk-0 forwards before its first chunk-1 input gradient (p={p}: {p} to "
+            f"{max(p, 2 * p - 1)}); more holds more memory (2 x warmup_forwards "
+            "microbatch-chunks per rank) and lets consecutive steps overlap")
     placement = v_placement(p)
     last = 2 * p - 1
     if forward_only:
         streams = [[[(r, F)] * m, [(last - r, F)] * m] for r in range(p)]
         rows = merge_streams(placement, m, streams, kind_first("F", later_stage_first=True))
     else:
+        # the same lead on every rank: a channel's F's and I's interleave alike at both ends
         streams = [
-            [_stream((r, F), (last - r, I), p, m), _stream((last - r, F), (r, I), p, m)]
+            [_stream((r, F), (last - r, I), lead, m), _stream((last - r, F), (r, I), lead, m)]
             for r in range(p)
         ]
         rows = merge_streams(placement, m, streams, kind_first("IFW", later_stage_first=True),
-                             live_cap=[2 * p] * p)
-    return Schedule("zb-v", m, placement, rows, {"chunks": 2, "forward_only": forward_only})
+                             live_cap=[2 * lead] * p)
+    options = {"chunks": 2, "forward_only": forward_only}
+    if lead != p:
+        options["warmup_forwards"] = lead
+    return Schedule("zb-v", m, placement, rows, options)
