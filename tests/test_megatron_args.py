@@ -95,7 +95,7 @@ def test_options_passed_to_install():
     opts = schedule_options_from_args(_args(
         pipeline_schedule="interleaved", virtual_pipeline_model_parallel_size=3,
         microbatch_group_size_per_vp_stage=4, pp_p2p_timeout_s=9.0, pp_trace=True))
-    assert opts == dict(schedule="interleaved", chunks=3, max_pending_backward=None,
+    assert opts == dict(schedule="interleaved", chunks=3, max_pending_backward=None, warmup_forwards=None,
                         microbatch_group_size_per_vp_stage=4, p2p_timeout_s=9.0, trace=True)
     assert schedule_options_from_args(_args(pipeline_schedule="1f1b"))["chunks"] is None
     for name in ("zb-v", "dualpipev"):

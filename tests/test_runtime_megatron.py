@@ -164,3 +164,18 @@ def test_a_v_schedule_on_a_model_built_in_megatrons_layout_names_the_layout():
     message = str(info.value)
     assert "schedule 'zb-v' runs stage" in message and "the V layout" in message
     assert "built with post_process=" in message or "built with pre_process=" in message
+
+
+def test_v_layout_loss_relay_returns_before_the_last_rank_receives():
+    """zb-v's loss relay (pp=4, gloo, Megatron's parallel state): rank 0's relay of a step
+    returns before the last rank has posted its receive (the last rank waits for rank 0's
+    word that it returned; a send that waited for the receive would hang), on Megatron's
+    embedding group [0, 3], and the last rank gets both steps' losses, in order."""
+    from support.loss_relay_run import run_relay
+
+    results = spawn(4, run_relay, timeout_s=120)
+    assert results[0]["pending"] == [0, 1]
+    assert results[0]["group_ranks"] == results[3]["group_ranks"] == [0, 3]
+    assert results[3]["received"] == [
+        [{"lm loss": [float(step), 10.0 + mb]} for mb in range(4)] for step in range(2)]
+    assert results[1]["received"] == results[2]["received"] == []

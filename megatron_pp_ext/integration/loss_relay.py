@@ -3,13 +3,29 @@
 On the V layout (zb-v, dualpipev) rank 0 holds the last stage and computes the losses, but
 Megatron-LM's ``train_step`` reads them on the last pipeline rank. The relay sends the
 per-microbatch loss dicts there once per step, so training logs work unchanged.
+
+The source does not wait for the send: on the V layout rank 0 finishes a step before the last
+rank (by p-1 chunk-slots, more with zb-v's longer warm-up), and a blocking send would hold it
+there until the last rank posts its receive, every step, which undoes any overlap of
+consecutive steps (``integration.run_ahead_step``). It posts the send and waits for it at the
+next step's relay (a bounded wait naming the peer), by then long complete. The messages go on
+Megatron's embedding group when that group is exactly this pipeline's source and last rank
+(always, with Megatron's parallel state): on the V layout the embeddings are untied, so the
+group is otherwise idle, and on NCCL a send there does not sit in front of the pipeline
+group's next batches on its stream. Without it, on the pipeline group.
 """
 
 from __future__ import annotations
 
+import io
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
 import torch.distributed as dist
 
 from ..ir import Schedule
+from ..runtime.errors import PipelineTimeoutError
 
 
 def loss_rank(schedule: Schedule) -> int:
@@ -20,17 +36,76 @@ def needs_relay(schedule: Schedule) -> bool:
     return schedule.num_ranks > 1 and loss_rank(schedule) != schedule.num_ranks - 1
 
 
-def relay_losses(forward_data_store: list, schedule: Schedule, rank: int, pp_group,
-                 device) -> list:
-    """Returns what this rank should return: the losses on both the computing and the last
-    rank, ``[]`` elsewhere."""
+@dataclass
+class PendingRelay:
+    """The source's send of one step, not waited for yet (its tensors kept alive)."""
+
+    works: list
+    tensors: tuple
+    step: int
+
+
+def relay_group(schedule: Schedule, pp_group):
+    """Megatron's embedding group when it holds exactly this pipeline's loss rank and last rank
+    (in that order of pipeline ranks), else ``pp_group``."""
+    try:
+        from megatron.core import parallel_state
+
+        group = parallel_state.get_embedding_group(check_initialized=False)
+    except (ImportError, AttributeError, AssertionError):
+        return pp_group
+    if group is None:
+        return pp_group
+    pp_ranks = dist.get_process_group_ranks(pp_group)
+    wanted = [pp_ranks[loss_rank(schedule)], pp_ranks[schedule.num_ranks - 1]]
+    return group if dist.get_process_group_ranks(group) == wanted else pp_group
+
+
+def _group_rank(group, pp_group, pp_rank: int) -> int:
+    return dist.get_group_rank(group, dist.get_process_group_ranks(pp_group)[pp_rank])
+
+
+def _wait(works: list, rank: int, peer: int, pending: str, timeout_s: float) -> None:
+    """Wait for ``works`` at most ``timeout_s``; a timeout names the rank, peer and action."""
+    for work in works:
+        try:
+            done = work.wait(timeout=timedelta(seconds=timeout_s))
+        except RuntimeError:  # gloo raises on timeout
+            done = False
+        if done is False:
+            raise PipelineTimeoutError(rank, peer, pending, timeout_s, [])
+
+
+def _serialized(forward_data_store: list, device) -> tuple[torch.Tensor, torch.Tensor]:
+    buffer = io.BytesIO()
+    torch.save(forward_data_store, buffer)
+    data = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8).to(device)
+    return torch.tensor([data.numel()], dtype=torch.long, device=device), data
+
+
+def relay_losses(forward_data_store: list, schedule: Schedule, rank: int, pp_group, device,
+                 pending: PendingRelay | None, step: int, timeout_s: float):
+    """Returns (what this rank should return: the losses on both the computing and the last
+    rank, ``[]`` elsewhere; the source's send now in flight, or None)."""
     source, target = loss_rank(schedule), schedule.num_ranks - 1
+    if rank not in (source, target):
+        return [], None
+    group = relay_group(schedule, pp_group)
     if rank == source:
-        dist.send_object_list([forward_data_store], group=pp_group, group_dst=target,
-                              device=device)
-        return forward_data_store
-    if rank == target:
-        received = [None]
-        dist.recv_object_list(received, group=pp_group, group_src=source, device=device)
-        return received[0]
-    return []
+        if pending is not None:  # the previous step's send: long received, normally
+            _wait(pending.works, rank, target, f"send of step {pending.step}'s losses to the "
+                  "last pipeline rank (loss relay)", timeout_s)
+        size, data = _serialized(forward_data_store, device)
+        peer = _group_rank(group, pp_group, target)
+        works = [dist.isend(size, group=group, group_dst=peer),
+                 dist.isend(data, group=group, group_dst=peer)]
+        return forward_data_store, PendingRelay(works, (size, data), step)
+    peer = _group_rank(group, pp_group, source)
+    size = torch.zeros(1, dtype=torch.long, device=device)
+    what = f"receive of step {step}'s losses from the loss rank (loss relay)"
+    _wait([dist.irecv(size, group=group, group_src=peer)], rank, source, what, timeout_s)
+    data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    _wait([dist.irecv(data, group=group, group_src=peer)], rank, source, what, timeout_s)
+    received = torch.load(io.BytesIO(data.cpu().numpy().tobytes()), map_location=device,
+                          weights_only=True)
+    return received, None
