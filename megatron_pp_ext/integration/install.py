@@ -158,8 +158,9 @@ def install(schedule: str | None = None, **options) -> Installation:
     first_step_timeout_s, trace, post_validate (``get_megatron_optimizer`` then returns its
     optimizer wrapped in ``post_validation.PostValidatedOptimizer``, for ``megatron.training``
     and any other caller), run_ahead (with post_validate: Megatron-LM's ``train_step`` runs
-    each step before the previous one is validated, ``run_ahead_step``). Installing again switches the active installation to the new options (a
-    change starts afresh) and returns it."""
+    each step before the previous one is validated, ``run_ahead_step``), warmup_forwards
+    (zb-v). Installing again switches the active installation to the new options (a change
+    starts afresh) and returns it."""
     global _current
     active = PipelineOptions.from_kwargs(schedule, **options)  # bad input: nothing patched
     if _current is not None:

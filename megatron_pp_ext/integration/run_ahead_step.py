@@ -23,19 +23,22 @@ Each call does, with ``post_validation.RunAhead``:
 Parameters, optimizer state, losses and grad norms are those of Megatron's synchronous loop,
 bit for bit (``tests/test_run_ahead_pretrain.py``). What the loop *logs* lags one iteration:
 iteration k reports step k-1's loss, skipped flag and grad norm (step k's are not known yet);
-:attr:`RunAheadTrainStep.reports` holds every step's, and the last step's is printed once it
-settles. Flags that read the weights or synchronise every iteration without this step's
+:attr:`RunAheadTrainStep.reports` holds the last 1000 steps', and the last step's is printed
+once it settles. Flags that read the weights or synchronise every iteration without this step's
 knowledge are refused before the first step (:data:`REFUSED_FLAGS`).
 """
 
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 
 from .post_validation import RunAhead
+
+REPORTS_KEPT = 1000
 
 # (argument, what makes it set, why run-ahead cannot have it)
 REFUSED_FLAGS = (
@@ -162,7 +165,8 @@ class RunAheadTrainStep:
     def __init__(self, max_stat: Optional[LocalMaxStat] = None):
         self.max_stat = max_stat
         self.run: Optional[RunAhead] = None
-        self.reports: list[StepReport] = []  # every settled step, in order
+        # the settled steps, in order (the last REPORTS_KEPT: a run has millions of steps)
+        self.reports: collections.deque[StepReport] = collections.deque(maxlen=REPORTS_KEPT)
         self._unreported = 0  # reports not yet returned to the loop
         self._pending: Optional[tuple[int, dict, bool]] = None  # (iteration, loss, replayed)
         self._increment = 0
@@ -184,7 +188,7 @@ class RunAheadTrainStep:
                 raise ValueError("--pp-run-ahead (install(run_ahead=True)) cannot run with "
                                  + "; ".join(refused) + ": drop those flags or --pp-run-ahead")
             self.run = RunAhead(optimizer, model)
-            self._check_every_rank_has_parameters(model, pg_collection)
+            self._check_every_rank_has_parameters(model)
             for line in synchronising_flags(args):
                 from megatron.training.utils import print_rank_0
 
@@ -223,7 +227,7 @@ class RunAheadTrainStep:
             self._settled(self.run.finish(), opt_param_scheduler)
         return self._report(should_checkpoint, should_exit, exit_code)
 
-    def _check_every_rank_has_parameters(self, model, pg_collection) -> None:
+    def _check_every_rank_has_parameters(self, model) -> None:
         """One MIN reduction over the model-parallel group (at the first step): whether the
         learning-rate reduction of ``training_log`` can be local (:class:`LocalMaxStat`)."""
         if self.max_stat is None:
