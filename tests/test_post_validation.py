@@ -201,6 +201,33 @@ def test_pretrain_run_ahead_bit_identical_to_megatron_loop():
         assert any(replayed) and not all(clipped)
 
 
+def test_pretrain_run_ahead_on_the_v_layout_bit_identical_to_its_synchronous_loop():
+    """zb-v with 2p-1 = 3 warm-up forwards (pp=2 x dp=2, two chunks per rank, the loss relayed
+    from rank 0 to the last rank without a blocking send) run ahead in
+    ``megatron.training.pretrain``: every step's loss, grad norm and skipped flag equal the
+    same schedule's under Megatron's own ``train_step`` bit for bit, with --clip-grad 0.66
+    clipping some steps (so some steps are replayed)."""
+    from support.megatron_loop import merge_history, pretrain_argv, run_pretrain
+    from support.post_validation_pretrain import run_pretrain_reporting_post_validation
+
+    iters = 5
+    extra = ["--clip-grad", "0.66", "--pp-warmup-forwards", "3"]
+    reference = merge_history(spawn(4, run_pretrain, pretrain_argv(
+        pp=2, dp=2, schedule="zb-v", vp=2, iters=iters, extra=extra), timeout_s=TIMEOUT))
+    results = spawn(4, run_pretrain_reporting_post_validation, pretrain_argv(
+        pp=2, dp=2, schedule="zb-v", vp=2, iters=iters,
+        extra=extra + ["--pp-post-validate", "--pp-run-ahead"]), timeout_s=TIMEOUT)
+    replays = 0
+    for r in results:
+        steps = r["run_ahead"]
+        assert [s["grad_norm"] for s in steps] == reference["grad_norm"]
+        assert [s["skipped"] for s in steps] == reference["skipped"] == [0] * iters
+        if r["lm loss"]:
+            assert [s["lm loss"] for s in steps] == reference["lm loss"]
+        replays += sum(s["replayed"] for s in steps)
+    assert replays > 0 and any(norm <= 0.66 for norm in reference["grad_norm"])
+
+
 def test_run_ahead_refuses_flags_that_read_weights_after_the_step():
     import argparse
 
