@@ -440,19 +440,10 @@ def tree(rank: int, world: int, setup: Setup) -> dict:
 
     for m in setup.ms:
         runners.clear()
-        for label, name, v in PLUGIN:
-            schedule = build_schedule(name, p, m, v)  # validated once, outside the timing
-            weights = stage_weights(schedule.num_stages, WIDTH)
-            inputs = microbatch_inputs(m, ROWS, WIDTH)
-            costs = costs_for(t, v)
-            runners[label] = (lambda s=schedule, w=weights, i=inputs, c=costs:
-                              plugin_step(s, rank, transport, w, i, c))
-            tracers[label] = (lambda s=schedule, w=weights, i=inputs, c=costs:
-                              plugin_step(s, rank, transport, w, i, c, trace=True))
-        for label, name, v, options_for in PLUGIN_ONLY_WHEN_ASKED:
-            if label not in setup.only:
-                continue
-            schedule = build_schedule(name, p, m, v, **options_for(p))
+        asked = [(label, name, v, options_for(p))
+                 for label, name, v, options_for in PLUGIN_ONLY_WHEN_ASKED if label in setup.only]
+        for label, name, v, options in [(*spec, {}) for spec in PLUGIN] + asked:
+            schedule = build_schedule(name, p, m, v, **options)  # validated once, not timed
             weights = stage_weights(schedule.num_stages, WIDTH)
             inputs = microbatch_inputs(m, ROWS, WIDTH)
             costs = costs_for(t, v)
