@@ -38,11 +38,22 @@ def needs_relay(schedule: Schedule) -> bool:
 
 @dataclass
 class PendingRelay:
-    """The source's send of one step, not waited for yet (its tensors kept alive)."""
+    """The source's send of one step, not waited for yet (its tensors and group kept alive)."""
 
     works: list
     tensors: tuple
     step: int
+    group: object = None
+
+    def done(self) -> bool:
+        return all(work.is_completed() for work in self.works)
+
+
+# Sends not known to be complete, held here as well as by the caller's state: a caller that
+# drops its state (a new ScheduleFunction), or Megatron's destroy_model_parallel() dropping the
+# group, must not let the group be collected while the send is in flight (gloo would abort it
+# and the last rank would wait for losses that never come).
+_IN_FLIGHT: list[PendingRelay] = []
 
 
 def relay_group(schedule: Schedule, pp_group):
@@ -99,7 +110,9 @@ def relay_losses(forward_data_store: list, schedule: Schedule, rank: int, pp_gro
         peer = _group_rank(group, pp_group, target)
         works = [dist.isend(size, group=group, group_dst=peer),
                  dist.isend(data, group=group, group_dst=peer)]
-        return forward_data_store, PendingRelay(works, (size, data), step)
+        sent = PendingRelay(works, (size, data), step, group)
+        _IN_FLIGHT[:] = [p for p in _IN_FLIGHT if not p.done()] + [sent]
+        return forward_data_store, sent
     peer = _group_rank(group, pp_group, source)
     size = torch.zeros(1, dtype=torch.long, device=device)
     what = f"receive of step {step}'s losses from the loss rank (loss relay)"
