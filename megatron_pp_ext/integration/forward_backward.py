@@ -69,8 +69,6 @@ class RunState:
     #: NCCL: failure notes published when the run last went well (read again after a failed
     #: step); a wait stops on a peer's note numbered above it
     failure_baseline: int | None = None
-    #: V layout, loss rank: the last step's loss relay send, waited for at the next relay
-    relay_pending: object = None
     #: per schedule: what the executor derives from it once (the messages each peer sends
     #: this rank, the NCCL posting); the schedule object is kept beside them, so an id is
     #: never reused while cached
@@ -487,10 +485,8 @@ def run_step(
     state.last_step, state.last_schedule = result, schedule
     state.steps_run += 1
     if needs_relay(schedule):
-        losses, state.relay_pending = relay_losses(
-            work.forward_data_store, schedule, rank, pp_group, transport.device,
-            state.relay_pending, state.steps_run, timeout)
-        return losses
+        return relay_losses(work.forward_data_store, schedule, rank, pp_group,
+                            transport.device, state.steps_run, timeout)
     return work.forward_data_store if last_stage_here else []
 
 

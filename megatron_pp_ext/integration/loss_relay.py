@@ -43,16 +43,16 @@ class PendingRelay:
     works: list
     tensors: tuple
     step: int
-    group: object = None
+    group: object
 
     def done(self) -> bool:
         return all(work.is_completed() for work in self.works)
 
 
-# Sends not known to be complete, held here as well as by the caller's state: a caller that
-# drops its state (a new ScheduleFunction), or Megatron's destroy_model_parallel() dropping the
-# group, must not let the group be collected while the send is in flight (gloo would abort it
-# and the last rank would wait for losses that never come).
+# This process's sends not yet waited for. Held here, not by a ScheduleFunction's state: a
+# caller that drops its function, or Megatron's destroy_model_parallel() dropping the group,
+# must not let the group be collected while a send is in flight (gloo would abort it and the
+# last rank would wait for losses that never come).
 _IN_FLIGHT: list[PendingRelay] = []
 
 
@@ -95,30 +95,29 @@ def _serialized(forward_data_store: list, device) -> tuple[torch.Tensor, torch.T
 
 
 def relay_losses(forward_data_store: list, schedule: Schedule, rank: int, pp_group, device,
-                 pending: PendingRelay | None, step: int, timeout_s: float):
-    """Returns (what this rank should return: the losses on both the computing and the last
-    rank, ``[]`` elsewhere; the source's send now in flight, or None)."""
+                 step: int, timeout_s: float) -> list:
+    """Returns what this rank should return: the losses on both the computing and the last
+    rank, ``[]`` elsewhere. ``step`` names the step in a timeout's message."""
     source, target = loss_rank(schedule), schedule.num_ranks - 1
     if rank not in (source, target):
-        return [], None
+        return []
     group = relay_group(schedule, pp_group)
     if rank == source:
-        if pending is not None:  # the previous step's send: long received, normally
-            _wait(pending.works, rank, target, f"send of step {pending.step}'s losses to the "
+        while _IN_FLIGHT:  # the previous steps' sends: long received, normally
+            earlier = _IN_FLIGHT.pop(0)
+            _wait(earlier.works, rank, target, f"send of step {earlier.step}'s losses to the "
                   "last pipeline rank (loss relay)", timeout_s)
         size, data = _serialized(forward_data_store, device)
         peer = _group_rank(group, pp_group, target)
         works = [dist.isend(size, group=group, group_dst=peer),
                  dist.isend(data, group=group, group_dst=peer)]
-        sent = PendingRelay(works, (size, data), step, group)
-        _IN_FLIGHT[:] = [p for p in _IN_FLIGHT if not p.done()] + [sent]
-        return forward_data_store, sent
+        _IN_FLIGHT.append(PendingRelay(works, (size, data), step, group))
+        return forward_data_store
     peer = _group_rank(group, pp_group, source)
     size = torch.zeros(1, dtype=torch.long, device=device)
     what = f"receive of step {step}'s losses from the loss rank (loss relay)"
     _wait([dist.irecv(size, group=group, group_src=peer)], rank, source, what, timeout_s)
     data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
     _wait([dist.irecv(data, group=group, group_src=peer)], rank, source, what, timeout_s)
-    received = torch.load(io.BytesIO(data.cpu().numpy().tobytes()), map_location=device,
-                          weights_only=True)
-    return received, None
+    return torch.load(io.BytesIO(data.cpu().numpy().tobytes()), map_location=device,
+                      weights_only=True)

@@ -15,7 +15,7 @@ def run_relay(rank: int, world_size: int) -> dict:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from megatron_pp_ext.integration.loss_relay import relay_group, relay_losses
+    from megatron_pp_ext.integration.loss_relay import _IN_FLIGHT, relay_group, relay_losses
     from megatron_pp_ext.schedules import build_schedule
     from megatron_pp_ext.train.processes import init_megatron
 
@@ -24,17 +24,16 @@ def run_relay(rank: int, world_size: int) -> dict:
     pp_group = parallel_state.get_pipeline_model_parallel_group()
     store = dist.distributed_c10d._get_default_store()
     last = world_size - 1
-    out = {"received": [], "pending": [], "group_ranks": None}
-    pending = None
+    out = {"received": [], "in_flight": [], "group_ranks": None}
     for step in range(2):
         losses = [{"lm loss": torch.tensor([float(step), 10.0 + mb])} for mb in range(4)]
         if rank == last:
             store.wait([f"relay-returned-{step}"], datetime.timedelta(seconds=60))
-        got, pending = relay_losses(losses if rank == 0 else [], schedule, rank, pp_group,
-                                    torch.device("cpu"), pending, step, timeout_s=60)
+        got = relay_losses(losses if rank == 0 else [], schedule, rank, pp_group,
+                           torch.device("cpu"), step, timeout_s=60)
         if rank == 0:
             store.set(f"relay-returned-{step}", "1")
-            out["pending"].append(pending.step)
+            out["in_flight"].append([sent.step for sent in _IN_FLIGHT])
         if rank == last:
             out["received"].append([{k: v.tolist() for k, v in d.items()} for d in got])
         if rank in (0, last):
