@@ -124,8 +124,9 @@ def test_single_chunk_schedules_refuse_virtual_pipeline(name):
                                          virtual_pipeline_model_parallel_size=2))
 
 
-def test_max_pending_backward_only_for_split_backward_schedules():
-    with pytest.raises(ValueError, match="--pp-max-pending-backward 2 applies only.*zb-h1"):
+def test_max_pending_backward_only_for_zb_h1_and_zb_h2():
+    with pytest.raises(ValueError, match="--pp-max-pending-backward 2 bounds .* of zb-h1 and "
+                                         "zb-h2 only, and 1f1b would ignore it"):
         schedule_options_from_args(_args(pipeline_schedule="1f1b", pp_max_pending_backward=2))
     opts = schedule_options_from_args(_args(pipeline_schedule="zb-h2", pp_max_pending_backward=2))
     assert opts["max_pending_backward"] == 2

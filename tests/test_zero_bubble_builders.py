@@ -547,3 +547,39 @@ def test_zb_v_warmup_forwards_trade_memory_for_overlapping_steps():
 def test_zb_v_warmup_forwards_out_of_range_is_refused(w):
     with pytest.raises(ScheduleError, match=r"warmup_forwards=.* p to 2p-1 .*\(p=4: 4 to 7\)"):
         build_schedule("zb-v", 4, 8, 2, warmup_forwards=w)
+
+
+@pytest.mark.parametrize("name, v, option, value", [
+    ("zb-v", 2, "max_pending_backward", 3), ("dualpipev", 2, "max_pending_backward", 3),
+    ("1f1b", 1, "max_pending_backward", 3), ("zb-h2", 1, "warmup_forwards", 7),
+    ("zb-h1", 1, "microbatch_group_size_per_vp_stage", 4), ("zb-v", 2, "match_dualpipe", True)])
+def test_a_shaping_option_is_refused_by_a_schedule_that_would_ignore_it(name, v, option, value):
+    """Builders take **options, so without this check zb-v would silently run as if
+    max_pending_backward were unset."""
+    with pytest.raises(ScheduleError, match=rf"{option}={value} shapes .* only, and {name} would "
+                                            "ignore it"):
+        build_schedule(name, 4, 8, v, **{option: value})
+    assert build_schedule(name, 4, 8, v, **{option: None}).name == name
+
+
+def test_max_pending_backward_is_refused_where_ignored_before_any_communication():
+    import argparse
+
+    import megatron_pp_ext
+    from megatron_pp_ext.integration import megatron_args
+    from megatron_pp_ext.integration.options import PipelineOptions
+
+    with pytest.raises(ValueError, match="max_pending_backward=3 shapes zb-h1 and zb-h2 only, "
+                                         "and zb-v would ignore it"):
+        megatron_pp_ext.install(schedule="zb-v", max_pending_backward=3)
+    assert PipelineOptions(schedule="auto", max_pending_backward=3).max_pending_backward == 3
+    assert PipelineOptions(schedule="zb-h1", max_pending_backward=3).builder_options() == {
+        "max_pending_backward": 3}
+    parser = megatron_args.add_pipeline_schedule_args(argparse.ArgumentParser())
+    args = parser.parse_args(["--pipeline-schedule", "zb-v", "--pp-max-pending-backward", "3"])
+    args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size = 4, 2
+    args.untie_embeddings_and_output_weights = True
+    with pytest.raises(ValueError, match="--pp-max-pending-backward 3 bounds the pending weight "
+                                         "gradients of zb-h1 and zb-h2 only, and zb-v would "
+                                         "ignore it"):
+        megatron_args.schedule_options_from_args(args)

@@ -194,7 +194,7 @@ def schedule_options_from_args(args: Any) -> dict | None:
         name = resolve_schedule_value(name)
     except ValueError as exc:
         raise ValueError(f"--pipeline-schedule / ${ENV_SCHEDULE}={name!r}: {exc}") from None
-    from ..schedules import REGISTRY, is_schedule_file
+    from ..schedules import REGISTRY, is_schedule_file, takes_option
 
     if is_schedule_file(name):
         return _file_options_from_args(name, args)
@@ -230,12 +230,12 @@ def schedule_options_from_args(args: Any) -> dict | None:
         need, how = built, f"set {_VP_FLAGS} so Megatron builds that many chunks"
 
     pending = getattr(args, "pp_max_pending_backward", None)
-    if pending is not None and not spec.split_backward:
-        split = [n for n, other in REGISTRY.items() if other.split_backward]
+    if pending is not None and not takes_option(name, "max_pending_backward"):
+        takers = [n for n in REGISTRY if takes_option(n, "max_pending_backward")]
         raise ValueError(
-            f"--pp-max-pending-backward {pending} applies only to schedules that split the "
-            f"backward into input and weight gradients ({', '.join(split)}), not to {name}: "
-            "drop it or pick one of those"
+            f"--pp-max-pending-backward {pending} bounds the pending weight gradients of "
+            f"{' and '.join(takers)} only, and {name} would ignore it: drop it or pick one of "
+            "those"
         )
     warmup = getattr(args, "pp_warmup_forwards", None)
     if warmup is not None and name != "zb-v":

@@ -264,11 +264,28 @@ def load_schedule_file(path: str, forward_only: bool = False) -> Schedule:
     return parse_schedule_file(read_schedule_file(path), path, forward_only)
 
 
+# Builder options that shape one family's order; any other builder would ignore them silently.
+SHAPING_OPTIONS = {"max_pending_backward": ("zb-h1", "zb-h2"), "warmup_forwards": ("zb-v",),
+                   "microbatch_group_size_per_vp_stage": ("interleaved",),
+                   "match_dualpipe": ("dualpipev",)}
+
+
+def takes_option(name: str, option: str) -> bool:
+    """Whether the schedule ``name`` is shaped by the builder option ``option``."""
+    return name in SHAPING_OPTIONS.get(option, (name,))
+
+
 def build_schedule(name: str, num_ranks: int, num_microbatches: int, chunks: int | None = None,
                    validate: bool = True, **options) -> Schedule:
     """Build a registered schedule and validate it before anyone runs it."""
     spec = get_spec(name)
     name = spec.name
+    for option, value in options.items():
+        if value is not None and value is not False and not takes_option(name, option):
+            takers = SHAPING_OPTIONS[option]
+            raise ScheduleError(
+                f"{option}={value!r} shapes {' and '.join(takers)} only, and {name} would "
+                f"ignore it: drop it, or choose {' or '.join(takers)}")
     chunks = spec.default_chunks if chunks is None else chunks
     if not spec.allowed_chunks(chunks):
         rule = {"v": "exactly 2 (the V layout)", "loop": "1"}[spec.layout]
