@@ -572,7 +572,8 @@ def test_max_pending_backward_is_refused_where_ignored_before_any_communication(
     with pytest.raises(ValueError, match="max_pending_backward=3 shapes zb-h1 and zb-h2 only, "
                                          "and zb-v would ignore it"):
         megatron_pp_ext.install(schedule="zb-v", max_pending_backward=3)
-    assert PipelineOptions(schedule="auto", max_pending_backward=3).max_pending_backward == 3
+    with pytest.raises(ValueError, match="and auto would ignore it"):
+        PipelineOptions(schedule="auto", max_pending_backward=3)
     assert PipelineOptions(schedule="zb-h1", max_pending_backward=3).builder_options() == {
         "max_pending_backward": 3}
     parser = megatron_args.add_pipeline_schedule_args(argparse.ArgumentParser())

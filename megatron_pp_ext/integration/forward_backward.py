@@ -38,7 +38,7 @@ from ..runtime.errors import PipelineTimeoutError
 from ..runtime.executor import Executor, StepResult
 from ..runtime.messages import Message, incoming_messages
 from ..runtime.transport import TorchDistTransport
-from ..schedules import build_schedule, get_spec, schedule_layout, takes_option
+from ..schedules import build_schedule, get_spec, schedule_layout
 from ..timeline import Timeline
 from . import agreement
 from .auto import AutoSchedule
@@ -165,10 +165,7 @@ def schedule_for(options: PipelineOptions, p: int, m: int, num_chunks: int, forw
             + ("" if spec.name == "interleaved" or spec.layout == "v" or num_chunks < 2 else
                f", or choose a schedule for {num_chunks} chunks per rank ('interleaved')")
         )
-    # under schedule='auto' a shaping option reaches only the schedules it shapes
-    builder_options = {k: value for k, value in
-                       {**options.builder_options(), **(extra_options or {})}.items()
-                       if takes_option(spec.name, k)}
+    builder_options = {**options.builder_options(), **(extra_options or {})}
     if (spec.name == "interleaved" and "microbatch_group_size_per_vp_stage" not in builder_options
             and getattr(config, "microbatch_group_size_per_vp_stage", None)):
         builder_options["microbatch_group_size_per_vp_stage"] = (

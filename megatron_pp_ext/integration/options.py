@@ -76,8 +76,9 @@ class PipelineOptions:
             raise ValueError(f"auto_measure_steps={self.auto_measure_steps} must be >= 1")
         if self.max_pending_backward is not None and self.max_pending_backward < 1:
             raise ValueError(f"max_pending_backward={self.max_pending_backward} must be >= 1")
-        if (self.max_pending_backward is not None and self.schedule != AUTO
-                and not self.is_file and self.schedule not in ("zb-h1", "zb-h2")):
+        if (self.max_pending_backward is not None and not self.is_file
+                and self.schedule not in ("zb-h1", "zb-h2")):
+            # auto too: it measures with 1f1b and predicts its candidates without the bound
             raise ValueError(f"max_pending_backward={self.max_pending_backward} shapes zb-h1 and "
                              f"zb-h2 only, and {self.schedule} would ignore it: drop it or use "
                              "schedule='zb-h1' or 'zb-h2'")

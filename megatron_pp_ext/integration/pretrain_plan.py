@@ -379,7 +379,7 @@ def plan_pretrain(argv: Sequence[str], schedule: str | None = None,
     m = global_batch // (micro * dp)
 
     name, how = _schedule_name(args, schedule)
-    from ..schedules import REGISTRY, build_schedule, takes_option
+    from ..schedules import REGISTRY, build_schedule
     from .megatron_args import _model_chunks, schedule_options_from_args
 
     args.pipeline_schedule = name
@@ -437,8 +437,7 @@ def plan_pretrain(argv: Sequence[str], schedule: str | None = None,
         built_schedule = file_schedule
     else:
         build_options = {}
-        if options.get("max_pending_backward") is not None and takes_option(
-                name, "max_pending_backward"):
+        if options.get("max_pending_backward") is not None:
             build_options["max_pending_backward"] = options["max_pending_backward"]
         if name == "interleaved" and options.get("microbatch_group_size_per_vp_stage"):
             build_options["microbatch_group_size_per_vp_stage"] = (
