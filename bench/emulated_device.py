@@ -667,6 +667,17 @@ def run(p: int, ms, t: float = 0.020, reps: int = 5, back_to_back_ms=(), k_steps
             "reps": reps}
 
 
+def labelled_schedule(label: str, p: int, m: int) -> Schedule:
+    """The schedule a plugin row of this bench runs (``PLUGIN``, ``PLUGIN_ONLY_WHEN_ASKED``)."""
+    for known, name, v in PLUGIN:
+        if known == label:
+            return build_schedule(name, p, m, v)
+    for known, name, v, options_for in PLUGIN_ONLY_WHEN_ASKED:
+        if known == label:
+            return build_schedule(name, p, m, v, **options_for(p))
+    raise ValueError(f"{label!r} is not a plugin row of this bench")
+
+
 # ------------------------------------------------------------------ the cross-step figure alone
 def cross_step_main(argv=None) -> int:
     """``python -m bench.emulated_device``: the cross-step figure alone (p=4, m=8 by default):
@@ -699,8 +710,9 @@ def cross_step_main(argv=None) -> int:
     tree = run(args.p, (args.m,), t=args.t, reps=args.reps, back_to_back_ms=(args.m,),
                k_steps=args.k_steps, b2b_reps=args.b2b_reps, megatron=False,
                niceness=args.niceness, only=tuple(CROSS_STEP), rollback_steps=rollbacks,
-               timeline_labels=("zb-h2",))
+               timeline_labels=("zb-h2", "zb-v w=2p-1"))
     from bench.report import cross_step_table
+    from bench.time_breakdown import breakdown_table
 
     text = "\n".join(cross_step_table([tree]))
     text += f"\n\nRun: {provenance.short(prov)}\n"
@@ -715,6 +727,17 @@ def cross_step_main(argv=None) -> int:
             timelines, title=f"Consecutive steps, p={args.p}, m={args.m}: Megatron's step "
             "against run-ahead post-validation (measured, emulated device)"))
         text += f"\nTimelines: {html_path}"
+        traced = []
+        for timeline in timelines:
+            label, mode = timeline.schedule.split(f" x{args.k_steps} back to back, ")
+            if mode == "run-ahead":  # sync: the optimizer event holds the blocking reductions
+                traced.append((label, mode, timeline, labelled_schedule(label, args.p, args.m)))
+        text += ("\n\n#### Where each rank's time goes (the traced run-ahead round, steps 2 "
+                 f"to {args.k_steps - 1})\n\n`bench/time_breakdown.py`: *device busy* is the "
+                 "actions and the optimizer step, *waiting* the waits on a peer, *host between "
+                 "actions* the rest of the rank's time (posting each message over gloo, the "
+                 "executor's bookkeeping), which the emulated device puts on its timeline.\n\n")
+        text += "\n".join(breakdown_table(traced, args.k_steps))
     out.with_suffix(".json").write_text(json.dumps(tree, indent=1, default=str))
     out.with_suffix(".md").write_text(text + "\n")
     print(text)
