@@ -35,4 +35,5 @@ def test_breakdown_splits_each_step_into_busy_waiting_and_host():
         t += 3.75
     timeline = Timeline("x", 1, 4, 1, events, source="measured", unit="s")
     (row,) = breakdown(timeline, 4)
-    assert row == {"rank": 0, "busy": 3.0, "waiting": 0.5, "host": 0.25, "step": 3.75}
+    assert row == {"rank": 0, "busy": 3.0, "waiting": 0.5, "host": 0.25, "step": 3.75,
+                   "actions": 1.0}
