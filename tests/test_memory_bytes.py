@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from megatron_pp_ext.analysis.validate import peak_activations
-from megatron_pp_ext.ir import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD
+from megatron_pp_ext.ir import BACKWARD, BACKWARD_INPUT, FORWARD
 from megatron_pp_ext.runtime.executor import Executor
 from megatron_pp_ext.runtime.inmemory import run_ranks_in_threads
 from megatron_pp_ext.runtime.memory import (

@@ -12,7 +12,7 @@ import pytest
 from megatron_pp_ext.analysis.render import render_ascii, render_chrome_trace, render_html
 from megatron_pp_ext.analysis.simulate import CostModel, simulate
 from megatron_pp_ext.schedules import build_schedule
-from megatron_pp_ext.timeline import COMM_WAIT, COMPUTE, P2P, Event, Timeline
+from megatron_pp_ext.timeline import COMM_WAIT, P2P, Event, Timeline
 
 ROOT = Path(__file__).resolve().parents[1]
 PEER_CSV = Path(__file__).parent / "data" / "torch_zb1p_2rank_2stagep_compute.csv"

@@ -427,7 +427,7 @@ def test_dualpipev_overlapped_pairs_and_phases():
     p, m = 4, 12
     schedule = build_dualpipev(p, m)
     for rank, row in enumerate(schedule.actions):
-        a, b = rank, 2 * p - 1 - rank
+        a = rank  # the chunk-0 stage; the other is 2p-1-rank
         pairs = [
             (x, y) for x, y in zip(row, row[1:])
             if x.kind == "F" and y.kind in ("B", "I") and x.stage != y.stage

@@ -282,7 +282,6 @@ def _timeline_section(timeline: Timeline, index: int, px_per_unit: float, longes
     """One timeline's heading, scale line, SVG and table. ``px_per_unit``: pixels per display
     unit (ms or t), the same for every timeline of that unit on the page."""
     factor, unit = display_unit(timeline.unit)
-    t0 = timeline.start
     scale = px_per_unit * factor  # pixels per unit of the timeline's own times
     extent = timeline.makespan * scale  # pixels of this step
     has_p2p = any(e.category == P2P for e in timeline.events)
