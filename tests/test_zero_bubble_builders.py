@@ -574,6 +574,9 @@ def test_max_pending_backward_is_refused_where_ignored_before_any_communication(
         megatron_pp_ext.install(schedule="zb-v", max_pending_backward=3)
     with pytest.raises(ValueError, match="and auto would ignore it"):
         PipelineOptions(schedule="auto", max_pending_backward=3)
+    with pytest.raises(ValueError, match="microbatch_group_size_per_vp_stage=4 shapes "
+                                         "interleaved only, and zb-h2 would ignore it"):
+        PipelineOptions(schedule="zb-h2", microbatch_group_size_per_vp_stage=4)
     assert PipelineOptions(schedule="zb-h1", max_pending_backward=3).builder_options() == {
         "max_pending_backward": 3}
     parser = megatron_args.add_pipeline_schedule_args(argparse.ArgumentParser())
@@ -584,3 +587,11 @@ def test_max_pending_backward_is_refused_where_ignored_before_any_communication(
                                          "gradients of zb-h1 and zb-h2 only, and zb-v would "
                                          "ignore it"):
         megatron_args.schedule_options_from_args(args)
+    # Megatron's own flag reaches interleaved only, as in Megatron (a shared launch script may
+    # set it for every schedule)
+    args = parser.parse_args(["--pipeline-schedule", "zb-v"])
+    args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size = 4, 2
+    args.untie_embeddings_and_output_weights = True
+    args.microbatch_group_size_per_vp_stage = 4
+    assert megatron_args.schedule_options_from_args(args)[
+        "microbatch_group_size_per_vp_stage"] is None

@@ -258,7 +258,9 @@ def schedule_options_from_args(args: Any) -> dict | None:
         chunks=need if need > 1 else asked,
         max_pending_backward=pending,
         warmup_forwards=warmup,
-        microbatch_group_size_per_vp_stage=getattr(args, "microbatch_group_size_per_vp_stage", None),
+        # Megatron's own flag, which Megatron applies to its interleaved schedule only
+        microbatch_group_size_per_vp_stage=(getattr(args, "microbatch_group_size_per_vp_stage",
+                                                    None) if name == "interleaved" else None),
         p2p_timeout_s=getattr(args, "pp_p2p_timeout_s", None),
         trace=bool(getattr(args, "pp_trace", False)),
     ), args)

@@ -82,6 +82,12 @@ class PipelineOptions:
             raise ValueError(f"max_pending_backward={self.max_pending_backward} shapes zb-h1 and "
                              f"zb-h2 only, and {self.schedule} would ignore it: drop it or use "
                              "schedule='zb-h1' or 'zb-h2'")
+        if (self.microbatch_group_size_per_vp_stage is not None and not self.is_file
+                and self.schedule != "interleaved"):
+            raise ValueError(f"microbatch_group_size_per_vp_stage="
+                             f"{self.microbatch_group_size_per_vp_stage} shapes interleaved only, "
+                             f"and {self.schedule} would ignore it: drop it or use "
+                             "schedule='interleaved'")
         if self.warmup_forwards is not None and self.schedule != "zb-v":
             raise ValueError(f"warmup_forwards={self.warmup_forwards} shapes zb-v only, not "
                              f"{self.schedule}: drop it or use schedule='zb-v'")
