@@ -440,13 +440,13 @@ def tree(rank: int, world: int, setup: Setup) -> dict:
 
     for m in setup.ms:
         runners.clear()
-        asked = [(label, name, v, options_for(p))
-                 for label, name, v, options_for in PLUGIN_ONLY_WHEN_ASKED if label in setup.only]
-        for label, name, v, options in [(*spec, {}) for spec in PLUGIN] + asked:
-            schedule = build_schedule(name, p, m, v, **options)  # validated once, not timed
+        plugin = [label for label, _, _ in PLUGIN] + [
+            label for label, _, _, _ in PLUGIN_ONLY_WHEN_ASKED if label in setup.only]
+        for label in plugin:
+            schedule = labelled_schedule(label, p, m)  # validated once, not timed
             weights = stage_weights(schedule.num_stages, WIDTH)
             inputs = microbatch_inputs(m, ROWS, WIDTH)
-            costs = costs_for(t, v)
+            costs = costs_for(t, schedule.chunks)
             runners[label] = (lambda s=schedule, w=weights, i=inputs, c=costs:
                               plugin_step(s, rank, transport, w, i, c))
             tracers[label] = (lambda s=schedule, w=weights, i=inputs, c=costs:

@@ -125,8 +125,9 @@ def test_single_chunk_schedules_refuse_virtual_pipeline(name):
 
 
 def test_max_pending_backward_only_for_zb_h1_and_zb_h2():
-    with pytest.raises(ValueError, match="--pp-max-pending-backward 2 bounds .* of zb-h1 and "
-                                         "zb-h2 only, and 1f1b would ignore it"):
+    with pytest.raises(ValueError, match="--pp-max-pending-backward 2 shapes zb-h1 and zb-h2 "
+                                         "only, and 1f1b would ignore it: drop it or use "
+                                         "--pipeline-schedule zb-h1 or zb-h2"):
         schedule_options_from_args(_args(pipeline_schedule="1f1b", pp_max_pending_backward=2))
     opts = schedule_options_from_args(_args(pipeline_schedule="zb-h2", pp_max_pending_backward=2))
     assert opts["max_pending_backward"] == 2

@@ -304,7 +304,8 @@ def test_zb_v_warmup_forwards_option_and_flag():
     import megatron_pp_ext
     from megatron_pp_ext.integration import megatron_args
 
-    with pytest.raises(ValueError, match="warmup_forwards=7 shapes zb-v only, not zb-h2"):
+    with pytest.raises(ValueError, match="warmup_forwards=7 shapes zb-v only, and zb-h2 would "
+                                         "ignore it: drop it or use schedule='zb-v'"):
         megatron_pp_ext.install(schedule="zb-h2", warmup_forwards=7)
     parser = megatron_args.add_pipeline_schedule_args(argparse.ArgumentParser())
     args = parser.parse_args(["--pipeline-schedule", "zb-v", "--pp-warmup-forwards", "7"])
@@ -313,7 +314,8 @@ def test_zb_v_warmup_forwards_option_and_flag():
     assert megatron_args.schedule_options_from_args(args)["warmup_forwards"] == 7
     args = parser.parse_args(["--pipeline-schedule", "zb-h2", "--pp-warmup-forwards", "7"])
     args.pipeline_model_parallel_size = 4
-    with pytest.raises(ValueError, match="--pp-warmup-forwards 7 shapes zb-v only"):
+    with pytest.raises(ValueError, match="--pp-warmup-forwards 7 shapes zb-v only, and zb-h2 "
+                                         "would ignore it"):
         megatron_args.schedule_options_from_args(args)
 
 

@@ -194,7 +194,7 @@ def schedule_options_from_args(args: Any) -> dict | None:
         name = resolve_schedule_value(name)
     except ValueError as exc:
         raise ValueError(f"--pipeline-schedule / ${ENV_SCHEDULE}={name!r}: {exc}") from None
-    from ..schedules import REGISTRY, is_schedule_file, takes_option
+    from ..schedules import REGISTRY, SHAPING_OPTIONS, is_schedule_file, takes_option
 
     if is_schedule_file(name):
         return _file_options_from_args(name, args)
@@ -230,17 +230,14 @@ def schedule_options_from_args(args: Any) -> dict | None:
         need, how = built, f"set {_VP_FLAGS} so Megatron builds that many chunks"
 
     pending = getattr(args, "pp_max_pending_backward", None)
-    if pending is not None and not takes_option(name, "max_pending_backward"):
-        takers = [n for n in REGISTRY if takes_option(n, "max_pending_backward")]
-        raise ValueError(
-            f"--pp-max-pending-backward {pending} bounds the pending weight gradients of "
-            f"{' and '.join(takers)} only, and {name} would ignore it: drop it or pick one of "
-            "those"
-        )
     warmup = getattr(args, "pp_warmup_forwards", None)
-    if warmup is not None and name != "zb-v":
-        raise ValueError(f"--pp-warmup-forwards {warmup} shapes zb-v only, not {name}: drop "
-                         "it or use --pipeline-schedule zb-v")
+    for flag, option, value in (("--pp-max-pending-backward", "max_pending_backward", pending),
+                                ("--pp-warmup-forwards", "warmup_forwards", warmup)):
+        if value is not None and not takes_option(name, option):
+            takers = SHAPING_OPTIONS[option]
+            raise ValueError(f"{flag} {value} shapes {' and '.join(takers)} only, and {name} "
+                             f"would ignore it: drop it or use --pipeline-schedule "
+                             f"{' or '.join(takers)}")
     if asked is not None and asked != need:
         raise ValueError(
             f"--pp-schedule-chunks {asked} does not fit --pipeline-schedule {name}, "

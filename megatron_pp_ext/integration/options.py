@@ -55,7 +55,7 @@ class PipelineOptions:
     run_ahead: bool = False
 
     def __post_init__(self):
-        from ..schedules import canonical_name, is_schedule_file
+        from ..schedules import SHAPING_OPTIONS, canonical_name, is_schedule_file, takes_option
 
         if is_schedule_file(self.schedule):
             self._check_schedule_file()
@@ -76,21 +76,15 @@ class PipelineOptions:
             raise ValueError(f"auto_measure_steps={self.auto_measure_steps} must be >= 1")
         if self.max_pending_backward is not None and self.max_pending_backward < 1:
             raise ValueError(f"max_pending_backward={self.max_pending_backward} must be >= 1")
-        if (self.max_pending_backward is not None and not self.is_file
-                and self.schedule not in ("zb-h1", "zb-h2")):
-            # auto too: it measures with 1f1b and predicts its candidates without the bound
-            raise ValueError(f"max_pending_backward={self.max_pending_backward} shapes zb-h1 and "
-                             f"zb-h2 only, and {self.schedule} would ignore it: drop it or use "
-                             "schedule='zb-h1' or 'zb-h2'")
-        if (self.microbatch_group_size_per_vp_stage is not None and not self.is_file
-                and self.schedule != "interleaved"):
-            raise ValueError(f"microbatch_group_size_per_vp_stage="
-                             f"{self.microbatch_group_size_per_vp_stage} shapes interleaved only, "
-                             f"and {self.schedule} would ignore it: drop it or use "
-                             "schedule='interleaved'")
-        if self.warmup_forwards is not None and self.schedule != "zb-v":
-            raise ValueError(f"warmup_forwards={self.warmup_forwards} shapes zb-v only, not "
-                             f"{self.schedule}: drop it or use schedule='zb-v'")
+        for option in ("max_pending_backward", "microbatch_group_size_per_vp_stage",
+                       "warmup_forwards"):  # auto refuses them too: it switches schedules
+            value = getattr(self, option)
+            if value is not None and not takes_option(self.schedule, option):
+                takers = SHAPING_OPTIONS[option]
+                raise ValueError(
+                    f"{option}={value} shapes {' and '.join(takers)} only, and {self.schedule} "
+                    f"would ignore it: drop it or use schedule="
+                    f"{' or '.join(repr(t) for t in takers)}")
         if self.run_ahead and not self.post_validate:
             raise ValueError("run_ahead=True starts the next step before this one is "
                              "validated, which needs the post-validated optimizer step: add "

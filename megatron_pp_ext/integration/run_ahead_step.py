@@ -21,7 +21,7 @@ Each call does, with ``post_validation.RunAhead``:
    a checkpoint, the last iteration, ``--exit-interval``), step k settles here too.
 
 Parameters, optimizer state, losses and grad norms are those of Megatron's synchronous loop,
-bit for bit (``tests/test_run_ahead_pretrain.py``). What the loop *logs* lags one iteration:
+bit for bit (``tests/test_post_validation.py``). What the loop *logs* lags one iteration:
 iteration k reports step k-1's loss, skipped flag and grad norm (step k's are not known yet);
 :attr:`RunAheadTrainStep.reports` holds the last 1000 steps', and the last step's is printed
 once it settles. Flags that read the weights or synchronise every iteration without this step's
@@ -98,12 +98,16 @@ def synchronising_flags(args) -> list[str]:
     return found
 
 
+def _is_last(args, iteration: int) -> bool:
+    return args.train_iters is not None and iteration + 1 >= args.train_iters
+
+
 def _settles_after(args, iteration: int) -> bool:
     """Whether the loop reads the weights or the optimizer state after train_step(iteration)
     returns: evaluation, a checkpoint, an exit, the end of training."""
     done = iteration + 1
     return bool(
-        (args.train_iters is not None and done >= args.train_iters)
+        _is_last(args, iteration)
         or (args.eval_interval and getattr(args, "do_valid", False)
             and done % args.eval_interval == 0)
         or (args.save and args.save_interval and done % args.save_interval == 0)
@@ -168,8 +172,9 @@ class RunAheadTrainStep:
         # the settled steps, in order (the last REPORTS_KEPT: a run has millions of steps)
         self.reports: collections.deque[StepReport] = collections.deque(maxlen=REPORTS_KEPT)
         self._unreported = 0  # reports not yet returned to the loop
-        self._pending: Optional[tuple[int, dict, bool]] = None  # (iteration, loss, replayed)
-        self._increment = 0
+        # (iteration, loss, replayed, samples): the step whose optimizer step is in flight;
+        # samples is its scheduler increment, kept with it (batch-size rampup changes it)
+        self._pending: Optional[tuple[int, dict, bool, int]] = None
 
     def __call__(self, forward_step_func, data_iterator, model, optimizer, opt_param_scheduler,
                  config, forward_backward_func, iteration=None, pg_collection=None,
@@ -194,8 +199,8 @@ class RunAheadTrainStep:
 
                 print_rank_0(f"megatron-pp-ext run-ahead: the ranks still wait for each other "
                              f"every step: {line}")
-        self._increment = (get_num_microbatches() * args.micro_batch_size
-                           * args.data_parallel_size * getattr(args, "gtp_weight_remat_size", 1))
+        samples = (get_num_microbatches() * args.micro_batch_size * args.data_parallel_size
+                   * getattr(args, "gtp_weight_remat_size", 1))
 
         rerun_state_machine = get_rerun_state_machine()
         losses, replayed = None, False
@@ -209,7 +214,7 @@ class RunAheadTrainStep:
                 adjust_tensor_shapes_fn=None, force_all_reduce=False,
                 p2p_communicator=p2p_communicator, pg_collection=pg_collection)
             if previous is not None:
-                self._settled(previous, opt_param_scheduler)
+                self._settled(previous, opt_param_scheduler, args)
         should_checkpoint, should_exit, exit_code = (
             rerun_state_machine.should_checkpoint_and_exit())
 
@@ -218,13 +223,13 @@ class RunAheadTrainStep:
         dp_cp_group = getattr(groups, "dp_cp_gtp_remat", None) or groups.dp_cp
         loss = (_reduced_losses(losses, dp_cp_group)
                 if is_pp_last_stage(groups.pp) and losses else {})
-        self._pending = (iteration, loss, replayed)
+        self._pending = (iteration, loss, replayed, samples)
         if should_exit:  # Megatron's train_step returns before its optimizer step here too
             return {}, True, should_checkpoint, should_exit, exit_code, None, None, 0
 
         self.run.optimizer_step()
         if _settles_after(args, iteration):
-            self._settled(self.run.finish(), opt_param_scheduler)
+            self._settled(self.run.finish(), opt_param_scheduler, args)
         return self._report(should_checkpoint, should_exit, exit_code)
 
     def _check_every_rank_has_parameters(self, model) -> None:
@@ -246,32 +251,25 @@ class RunAheadTrainStep:
                          "parameters, so training_log's learning-rate all-reduce stays: the "
                          "ranks still wait for each other every step")
 
-    def _settled(self, outcome, opt_param_scheduler) -> None:
+    def _settled(self, outcome, opt_param_scheduler, args) -> None:
         """The pending step's outcome is known: step the scheduler as Megatron would, and
         keep its report."""
-        iteration, loss, replayed = self._pending
+        iteration, loss, replayed, samples = self._pending
         self._pending = None
         if outcome.success:
-            opt_param_scheduler.step(increment=self._increment)
+            opt_param_scheduler.step(increment=samples)
         self.reports.append(StepReport(
             iteration, loss, 0 if outcome.success else 1,
             _as_train_step_reports(outcome.grad_norm),
             _as_train_step_reports(outcome.num_zeros_in_grad), replayed))
         self._unreported += 1
-        if self._is_last(iteration):  # the loop ends before it would log this one
+        if _is_last(args, iteration):  # the loop ends before it would log this one
             from megatron.training.utils import print_rank_last
 
             report = self.reports[-1]
             print_rank_last(f"megatron-pp-ext run-ahead: step {iteration + 1} settled | "
                             f"loss {({k: float(v) for k, v in report.loss.items()})} | "
                             f"grad norm {report.grad_norm} | skipped {report.skipped}")
-
-    @staticmethod
-    def _is_last(iteration: int) -> bool:
-        from megatron.training import get_args
-
-        train_iters = get_args().train_iters
-        return train_iters is not None and iteration + 1 >= train_iters
 
     def _report(self, should_checkpoint, should_exit, exit_code):
         """What the loop logs for this iteration: the oldest settled step not yet returned
