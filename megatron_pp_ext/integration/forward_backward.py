@@ -42,7 +42,7 @@ from ..schedules import build_schedule, get_spec, schedule_layout
 from ..timeline import Timeline
 from . import agreement
 from .auto import AutoSchedule
-from .loss_relay import needs_relay, relay_losses
+from .loss_relay import needs_relay, relay_losses, share_token_count
 from .megatron_stage import GradSync, MegatronStageWork
 from .options import AUTO, PipelineOptions
 
@@ -466,6 +466,8 @@ def run_step(
 
     if config.finalize_model_grads_func is not None and not forward_only:
         finish_embedding_wgrad_compute(config, embedding_module, last_stage_here, tp_group)
+        if config.calculate_per_token_loss and needs_relay(schedule):
+            share_token_count(work.total_num_tokens, schedule, pp_group)
         config.finalize_model_grads_func(
             models,
             work.total_num_tokens if config.calculate_per_token_loss else None,

@@ -1,4 +1,5 @@
-"""Hand the loss outputs to the last pipeline rank when the last *stage* lives elsewhere.
+"""Hand the loss outputs (and, for per-token loss, the token count) to the last pipeline rank
+when the last *stage* lives elsewhere.
 
 On the V layout (zb-v, dualpipev) rank 0 holds the last stage and computes the losses, but
 Megatron-LM's ``train_step`` reads them on the last pipeline rank. The relay sends the
@@ -70,6 +71,17 @@ def relay_group(schedule: Schedule, pp_group):
     pp_ranks = dist.get_process_group_ranks(pp_group)
     wanted = [pp_ranks[loss_rank(schedule)], pp_ranks[schedule.num_ranks - 1]]
     return group if dist.get_process_group_ranks(group) == wanted else pp_group
+
+
+def share_token_count(num_tokens: torch.Tensor, schedule: Schedule, pp_group) -> None:
+    """Give every pipeline rank the loss rank's token count (in place), for
+    ``--calculate-per-token-loss``. Megatron's ``finalize_model_grads`` broadcasts the count
+    from the last pipeline rank, which holds 0 when the loss is elsewhere (the V layout's
+    rank 0), and ``clamp(min=1)`` then leaves the gradients undivided. After this broadcast
+    its own broadcast sends the right count. All pipeline ranks call it at the same point
+    (after the step's last P2P, before finalize), so NCCL sees one collective in order."""
+    src = dist.get_process_group_ranks(pp_group)[loss_rank(schedule)]
+    dist.broadcast(num_tokens, src=src, group=pp_group)
 
 
 def _group_rank(group, pp_group, pp_rank: int) -> int:
