@@ -189,3 +189,15 @@ def test_te_modules_that_cannot_defer_are_named():
     assert len(text) == 1
     assert "OldTELinear: no WeightGradStore (Transformer Engine < 2.3)" in text[0]
     assert "W is empty on this rank" in text[0]
+
+
+def test_the_warning_share_reads_100_percent_only_when_nothing_is_left_out():
+    """A MoE rank: the experts' and attention's weights defer, the router's few do not; the
+    warning must not say W holds 100% next to a layer it cannot defer."""
+    from megatron_pp_ext.runtime.wgrad import weight_share_text
+
+    assert weight_share_text(1_000_000, 1_000_000) == "100%"
+    assert weight_share_text(999_872, 1_000_000) == "99.98%"  # 128 router weights left out
+    assert weight_share_text(750, 1_000) == "75%"
+    assert weight_share_text(1, 1_000_000) == "0.01%"
+    assert weight_share_text(0, 1_000) == "0%"

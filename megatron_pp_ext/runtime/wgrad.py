@@ -68,6 +68,7 @@ import collections
 import contextlib
 import functools
 import inspect
+import math
 import threading
 import time
 import warnings
@@ -492,6 +493,19 @@ def _scan(chunk) -> _ChunkScan:
 # --------------------------------------------------------------------------------------------
 
 
+def weight_share_text(held: int, total: int) -> str:
+    """``held / total`` as a percentage that reads 100% only when nothing is left out (a MoE
+    router's few weights beside the experts' are 99.99%, not 100%) and 0% only when nothing
+    is held."""
+    share = 100.0 * held / total if total else 0.0
+    text = f"{share:.0f}%"
+    if text == "100%" and held < total:
+        text = f"{math.floor(share * 100) / 100:.2f}%"
+    elif text == "0%" and held > 0:
+        text = f"{math.ceil(share * 100) / 100:.2f}%"
+    return text
+
+
 class WeightGradSplit:
     """Per-rank queue of deferred weight gradients, keyed by (stage, microbatch)."""
 
@@ -523,23 +537,24 @@ class WeightGradSplit:
             return
         _warned = True
         held = sum(scan.deferred_numel for scan in self.scans)
-        total = held + sum(scan.undeferred_numel for scan in self.scans)
-        share = 100.0 * held / total if total else 0.0
+        left = sum(scan.undeferred_numel for scan in self.scans)
+        share = weight_share_text(held, held + left)
         schedule = f"schedule {self.schedule_name!r}" if self.schedule_name else "the schedule"
         if held == 0:
             loses = (f"W is empty on this rank: {schedule} holds the activations of its "
                      "pending W's (more memory than 1f1b) and gains nothing from the split; "
                      "use 1f1b (or interleaved) for this model")
-        elif share < 50.0:
-            loses = (f"W holds only {share:.0f}% of this rank's weight-gradient work (by "
+        elif 100.0 * held / (held + left) < 50.0:
+            loses = (f"W holds only {share} of this rank's weight-gradient work (by "
                      f"weight size): {schedule} keeps the memory cost of its pending W's but "
                      "loses most of its bubble gain")
         else:
-            loses = (f"W holds {share:.0f}% of this rank's weight-gradient work (by weight "
+            loses = (f"W holds {share} of this rank's weight-gradient work (by weight "
                      f"size): {schedule} loses the rest of its bubble gain")
         warnings.warn(
-            "megatron_pp_ext: I/W split cannot defer the weight gradients of "
-            f"{_named_layers(layers)}: they are computed in I (full backward), not in W. "
+            f"megatron_pp_ext: W defers the weight gradients of {held:,} weights on this "
+            f"rank; the I/W split cannot defer those of {_named_layers(layers)} "
+            f"({left:,} weights): they are computed in I (full backward), not in W. "
             f"{loses}. "
             "See docs/troubleshooting.md (W holds little or nothing).",
             stacklevel=3)
