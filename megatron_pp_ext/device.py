@@ -135,3 +135,14 @@ def allocator_peak_bytes(device: torch.device) -> int | None:
     if device.type != "cuda":
         return None
     return int(torch.cuda.max_memory_allocated(device))
+
+
+def cuda_rng_state():
+    """The default CUDA generator's state (None without CUDA): saved and restored around a
+    re-seeded model build (``integration.v_layout_models``)."""
+    return torch.cuda.get_rng_state() if torch.cuda.is_available() else None
+
+
+def set_cuda_rng_state(state) -> None:
+    if state is not None:
+        torch.cuda.set_rng_state(state)

@@ -29,6 +29,7 @@ import sys
 
 from .forward_backward import RunState, ScheduleFunction
 from .options import PipelineOptions
+from .v_layout_models import undo_patches
 
 _REPLACED_NAMES = (
     "forward_backward_pipelining_without_interleaving",
@@ -177,9 +178,11 @@ def install(schedule: str | None = None, **options) -> Installation:
 
 
 def uninstall() -> None:
-    """Undo the active installation completely (no-op when none is active)."""
+    """Undo the active installation completely (no-op when none is active), and the patches
+    the V-layout model providers made (``v_layout_models.undo_patches``)."""
     if _current is not None:
         _current.uninstall()
+    undo_patches()
 
 
 def installed() -> bool:

@@ -41,7 +41,6 @@ model chunks must be built for it: this module checks only that there are two.
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 from typing import Any
 
@@ -178,6 +177,71 @@ def _model_chunks(args: Any) -> int:
     return int(vp or 1)
 
 
+def _virtual_stage_source(args: Any) -> str:
+    """The flag that made Megatron build several chunks per rank, as the user passed it."""
+    layout = getattr(args, "pipeline_model_parallel_layout", None)
+    if layout:
+        return f"--pipeline-model-parallel-layout {str(layout)!r}"
+    for flag in ("num_virtual_stages_per_pipeline_rank", "num_layers_per_virtual_pipeline_stage"):
+        value = getattr(args, flag, None)
+        if value is not None:
+            return f"--{flag.replace('_', '-')} {value}"
+    return _VP_FLAGS
+
+
+def _one_chunk_fix(args: Any) -> str:
+    """How to get one model chunk per rank back, in terms of the flag the user passed."""
+    source = _virtual_stage_source(args)
+    if getattr(args, "pipeline_model_parallel_layout", None):
+        pp = getattr(args, "pipeline_model_parallel_size", 1) or 1
+        return (f"{source} gives each pipeline rank several stages: write it with {pp} "
+                f"stage(s), one per pipeline rank (or use --pipeline-schedule interleaved)")
+    return f"remove {source} (or use --pipeline-schedule interleaved)"
+
+
+#: Megatron's uneven splits that count *loop* positions (the first stage on rank 0, the last on
+#: rank p-1); the V layout has both on rank 0, so only a layout string can place its layers.
+_LOOP_SPLIT_FLAGS = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
+                     "account_for_embedding_in_pipeline_split",
+                     "account_for_loss_in_pipeline_split")
+
+
+def _refuse_loop_splits(name: str, args: Any) -> None:
+    given = [f"--{flag.replace('_', '-')}" for flag in _LOOP_SPLIT_FLAGS
+             if getattr(args, flag, None) not in (None, False)]
+    if given:
+        raise ValueError(
+            f"--pipeline-schedule {name} (V layout: rank r holds stages r and 2p-1-r, so the "
+            f"first and the last stage are both on rank 0) cannot honour {' / '.join(given)}: "
+            "Megatron applies it to the first and the last pipeline *rank* of its loop layout. "
+            "Give every stage's layers with --pipeline-model-parallel-layout instead (stage s "
+            "of the string is V stage s, e.g. 'Et|tt|tt|tL' at pp 2), or use a loop schedule")
+
+
+def _refuse_unfit_microbatches(name: str, args: Any, chunks: int, options: dict) -> None:
+    """Build the schedule for the run's pipeline size and microbatch count now, as Megatron
+    checks its own schedule's rules at argument time, so a schedule that cannot run stops here
+    and not at the first step. Skipped when the count is not fixed (batch-size ramp-up)."""
+    batch = [getattr(args, key, None) for key in
+             ("global_batch_size", "micro_batch_size", "data_parallel_size")]
+    if not all(isinstance(x, int) and x > 0 for x in batch) or getattr(
+            args, "rampup_batch_size", None):
+        return
+    from ..ir import ScheduleError
+    from ..schedules import build_schedule
+
+    global_batch, micro_batch, dp = batch
+    m = global_batch // (micro_batch * dp)
+    pp = getattr(args, "pipeline_model_parallel_size", 1) or 1
+    try:
+        build_schedule(name, pp, m, chunks=chunks, validate=False, **options)
+    except ScheduleError as exc:
+        raise ValueError(
+            f"--pipeline-schedule {name} cannot run {m} microbatches per step at "
+            f"--pipeline-model-parallel-size {pp} (--global-batch-size {global_batch} / "
+            f"(--micro-batch-size {micro_batch} x data-parallel size {dp})): {exc}") from None
+
+
 def schedule_options_from_args(args: Any) -> dict | None:
     """Check the plugin's arguments against Megatron's and return ``install()``'s keyword
     arguments, or None when no schedule is asked for. Raises ValueError naming the fix."""
@@ -210,16 +274,15 @@ def schedule_options_from_args(args: Any) -> dict | None:
 
     if spec.layout == "v":
         need = 2
-        how = ("add --num-virtual-stages-per-pipeline-rank 2: the V layout puts stages r and "
-               "2p-1-r on rank r, two chunks per rank")
-        if getattr(args, "untie_embeddings_and_output_weights", True) is False:
-            raise ValueError(
-                f"--pipeline-schedule {name} puts the embedding and the output layer on rank 0 "
-                "(V layout), but tied embeddings are synchronized between the first and the last "
-                "pipeline rank: add --untie-embeddings-and-output-weights"
-            )
+        if getattr(args, "pipeline_model_parallel_layout", None):
+            how = (f"{_virtual_stage_source(args)} must hold 2p = {2 * pp} stages, two per "
+                   "rank: the V layout puts stages r and 2p-1-r on rank r")
+        else:
+            how = ("add --num-virtual-stages-per-pipeline-rank 2: the V layout puts stages r "
+                   "and 2p-1-r on rank r, two chunks per rank")
+        _refuse_loop_splits(name, args)
     elif spec.allowed_chunks(1):
-        need, how = 1, f"remove {_VP_FLAGS} (or use --pipeline-schedule interleaved)"
+        need, how = 1, _one_chunk_fix(args)
     else:  # several chunks per rank in the loop layout (interleaved)
         if not spec.allowed_chunks(built):
             raise ValueError(
@@ -250,14 +313,19 @@ def schedule_options_from_args(args: Any) -> dict | None:
             f"{getattr(args, 'virtual_pipeline_model_parallel_size', None)}): {how}"
         )
 
-    return _with_post_validation(dict(
-        schedule=name,
-        chunks=need if need > 1 else asked,
+    shaping = dict(
         max_pending_backward=pending,
         warmup_forwards=warmup,
         # Megatron's own flag, which Megatron applies to its interleaved schedule only
         microbatch_group_size_per_vp_stage=(getattr(args, "microbatch_group_size_per_vp_stage",
                                                     None) if name == "interleaved" else None),
+    )
+    _refuse_unfit_microbatches(name, args, need,
+                               {k: v for k, v in shaping.items() if v is not None})
+    return _with_post_validation(dict(
+        schedule=name,
+        chunks=need if need > 1 else asked,
+        **shaping,
         p2p_timeout_s=getattr(args, "pp_p2p_timeout_s", None),
         trace=bool(getattr(args, "pp_trace", False)),
     ), args)
@@ -304,18 +372,15 @@ def _file_options_from_args(path: str, args: Any) -> dict:
         raise ValueError(
             f"--pp-schedule-chunks {asked} does not fit --pipeline-schedule {path}, which places "
             f"{v} stage(s) on each rank: drop --pp-schedule-chunks")
-    if layout == "v" and getattr(args, "untie_embeddings_and_output_weights", True) is False:
-        raise ValueError(
-            f"--pipeline-schedule {path} is in the V layout: it puts the embedding and the "
-            "output layer on rank 0, but tied embeddings are synchronized between the first "
-            "and the last pipeline rank: add --untie-embeddings-and-output-weights")
+    if layout == "v":
+        _refuse_loop_splits(path, args)
     built = _model_chunks(args)
     if built != v:
         if layout == "v":
             how = ("add --num-virtual-stages-per-pipeline-rank 2 (the file's V layout puts "
                    "stages r and 2p-1-r on rank r)")
         elif v == 1:
-            how = f"remove {_VP_FLAGS}"
+            how = _one_chunk_fix(args)
         else:
             how = (f"set --num-virtual-stages-per-pipeline-rank {v} (the file's loop layout puts "
                    f"stage c*p + r in chunk c of rank r)")
@@ -368,192 +433,24 @@ def chain_args_providers(*providers):
     return provider
 
 
-# --------------------------------------------------------------------------------------------
-# Model providers for the V layout (zb-v, dualpipev)
-# --------------------------------------------------------------------------------------------
+# The V layout's model providers live in v_layout_models; the names stay importable from here,
+# where scripts/pretrain_gpt_pp.py and users' training scripts find them.
+from .v_layout_models import (  # noqa: E402
+    adapt_pretrain_gpt_for_v_layout,
+    model_provider_for_args,
+    model_provider_from_config,
+    pretrain_model_for_args,
+    sum_tied_embedding_grads,
+    uses_v_layout,
+    v_chunk_stage,
+    v_layout_is_first_or_last_stage,
+    v_layout_model_provider,
+)
 
-
-def uses_v_layout(args: Any) -> bool:
-    """Whether ``--pipeline-schedule`` asks for a V-layout schedule (zb-v, dualpipev)."""
-    name = getattr(args, "pipeline_schedule", None)
-    if not name:
-        return False
-    from ..schedules import (
-        REGISTRY,
-        canonical_name,
-        is_schedule_file,
-        load_schedule_file,
-        schedule_layout,
-    )
-
-    if is_schedule_file(name):
-        return schedule_layout(load_schedule_file(name)) == "v"
-    try:
-        spec = REGISTRY[canonical_name(name)]
-    except ValueError:  # auto, or not a schedule (install_from_args says so)
-        return False
-    return spec.layout == "v"
-
-
-def v_chunk_stage(pp_rank: int, pp_size: int, vp_stage: int) -> int:
-    """The stage chunk ``vp_stage`` of ``pp_rank`` holds in the V layout: r, then 2p-1-r."""
-    return pp_rank if vp_stage == 0 else 2 * pp_size - 1 - pp_rank
-
-
-def v_layout_model_provider(model_provider):
-    """Wrap a Megatron-LM model provider (``pretrain_gpt.py``'s, or any with its keywords
-    ``pre_process, post_process, vp_stage, config, pg_collection``) so that Megatron's
-    ``get_model`` builds V-layout chunks with the same spec: chunk c of pipeline rank r is stage
-    ``r`` (c = 0) or ``2p-1-r`` (c = 1), so rank 0 holds the embedding *and* the loss.
-
-    ``get_model`` asks for pre/post-processing in Megatron's loop layout; the wrapper replaces
-    them with the V layout's and renumbers the decoder layers' ``layer_number`` to the stage's
-    global layers (Megatron numbers chunk 1 as loop stage ``p + r``; the number only sets the
-    query-key scaling coefficient and checkpoint names). Each chunk is annotated with
-    ``pipeline_stage`` / ``pipeline_num_stages``."""
-
-    @functools.wraps(model_provider)
-    def provider(pre_process=True, post_process=True, vp_stage=None, config=None,
-                 pg_collection=None, **kwargs):
-        pp_group = getattr(pg_collection, "pp", None)
-        if pp_group is None:
-            from megatron.core import parallel_state
-
-            pp_group = parallel_state.get_pipeline_model_parallel_group()
-        import torch.distributed as dist
-
-        p, r = dist.get_world_size(pp_group), dist.get_rank(pp_group)
-        if vp_stage not in (0, 1):
-            raise ValueError(
-                f"the V layout builds 2 model chunks per rank, got vp_stage={vp_stage}: "
-                "add --num-virtual-stages-per-pipeline-rank 2")
-        stage = v_chunk_stage(r, p, vp_stage)
-        model = model_provider(pre_process=(stage == 0), post_process=(stage == 2 * p - 1),
-                               vp_stage=vp_stage, config=config, pg_collection=pg_collection,
-                               **kwargs)
-        layers = getattr(getattr(model, "decoder", None), "layers", None)
-        if layers is not None and len(layers):
-            _renumber_layers(layers, first=stage * len(layers) + 1)
-        model.pipeline_stage, model.pipeline_num_stages = stage, 2 * p
-        model.pipeline_v_layout = True
-        _use_v_layout_float16_module()
-        return model
-
-    provider.v_layout = True
-    return provider
-
-
-def _use_v_layout_float16_module() -> None:
-    """``get_model`` wraps each chunk in ``Float16Module`` for --bf16 / --fp16, which casts the
-    inputs of Megatron's first stage and upcasts the outputs of its *last* stage, both found by
-    the loop layout (rank p-1's chunk 1 upcasts hidden states it sends on; rank 0's loss chunk
-    does not). Make ``megatron.training.training`` build the V-aware subclass instead: for
-    chunks built by :func:`v_layout_model_provider` it asks the chunk's own ``pre_process`` /
-    ``post_process``; for any other chunk it is Megatron's ``Float16Module``."""
-    from megatron.training import training
-
-    if not getattr(training.Float16Module, "v_layout_aware", False):
-        training.Float16Module = _v_layout_float16_module_class()
-
-
-@functools.lru_cache(maxsize=1)
-def _v_layout_float16_module_class():
-    from megatron.core.transformer.module import Float16Module, float16_to_fp32, fp32_to_float16
-
-    class VLayoutFloat16Module(Float16Module):
-        v_layout_aware = True
-
-        def forward(self, *inputs, fp32_output=True, **kwargs):
-            if not getattr(self.module, "pipeline_v_layout", False):
-                return super().forward(*inputs, fp32_output=fp32_output, **kwargs)
-            if self.module.pre_process:
-                inputs = fp32_to_float16(inputs, self.float16_convertor)
-            outputs = self.module(*inputs, **kwargs)
-            if self.module.post_process and fp32_output is True:
-                outputs = float16_to_fp32(outputs)
-            return outputs
-
-    return VLayoutFloat16Module
-
-
-def _renumber_layers(layers, first: int) -> None:
-    for i, layer in enumerate(layers):
-        delta = first + i - getattr(layer, "layer_number", first + i)
-        if delta:
-            for module in layer.modules():
-                number = getattr(module, "layer_number", None)
-                if isinstance(number, int) and not isinstance(number, bool):
-                    module.layer_number = number + delta
-
-
-def model_provider_for_args(model_provider, args: Any):
-    """``model_provider`` as it is, or wrapped by :func:`v_layout_model_provider` when
-    ``--pipeline-schedule`` is a V-layout schedule: what a training script passes to
-    ``pretrain()`` so every schedule works from the same command line."""
-    if model_provider is None or not uses_v_layout(args):
-        return model_provider
-    return v_layout_model_provider(model_provider)
-
-
-def model_provider_from_config(model_config):
-    """A Megatron-LM model provider (``pre_process, post_process, vp_stage, config,
-    pg_collection``) that builds one chunk with the builder of ``model_config`` (a
-    ``megatron.training`` ModelConfig, e.g. ``gpt_config_from_args(args)``: the GPT spec
-    ``pretrain_gpt.py`` trains)."""
-    builder = model_config.get_builder_cls()(model_config)
-
-    def provider(pre_process=True, post_process=True, vp_stage=None, config=None,
-                 pg_collection=None):
-        if pg_collection is None:
-            from megatron.core.process_groups_config import ProcessGroupCollection
-
-            pg_collection = ProcessGroupCollection.use_mpu_process_groups()
-        return builder.build_model(pg_collection, pre_process=pre_process,
-                                   post_process=post_process, vp_stage=vp_stage)
-
-    return provider
-
-
-def pretrain_model_for_args(cfg_container, args: Any):
-    """``(cfg_container, model_provider)`` to pass to ``pretrain()``. Unchanged (Megatron builds
-    from ``cfg_container.model``, no provider) unless ``--pipeline-schedule`` is a V-layout
-    schedule: then the provider builds V-layout chunks from the same model config
-    (:func:`v_layout_model_provider` over :func:`model_provider_from_config`) and
-    ``cfg_container.model`` is set to None, so ``pretrain()`` takes the provider."""
-    if not uses_v_layout(args) or getattr(cfg_container, "model", None) is None:
-        return cfg_container, None
-    provider = v_layout_model_provider(model_provider_from_config(cfg_container.model))
-    cfg_container.model = None
-    return cfg_container, provider
-
-
-
-def adapt_pretrain_gpt_for_v_layout(pretrain_gpt_module) -> None:
-    """Make Megatron-LM's ``pretrain_gpt.py`` (imported as a module) feed V-layout chunks. Its
-    ``get_batch`` and ``is_dataset_built_on_rank`` choose the chunks that read data by Megatron's
-    placement (first stage: pipeline rank 0, last stage: rank p-1), and the batch helper drops
-    the labels and the loss mask on the first pipeline rank. In the V layout rank 0 holds both
-    the first and the last stage, so: only rank 0 reads data, and it keeps every tensor (the
-    batch helper treats it as a whole pipeline)."""
-    pretrain_gpt_module.is_first_or_last_pipeline_stage = v_layout_is_first_or_last_stage
-    original = pretrain_gpt_module.get_batch_on_this_tp_rank
-    if getattr(original, "v_layout", False):
-        return
-
-    @functools.wraps(original)
-    def get_batch_on_this_tp_rank(batch, *args, **kwargs):
-        kwargs["pipeline_model_parallel_size"] = 1  # rank 0 needs tokens *and* labels
-        return original(batch, *args, **kwargs)
-
-    get_batch_on_this_tp_rank.v_layout = True
-    pretrain_gpt_module.get_batch_on_this_tp_rank = get_batch_on_this_tp_rank
-
-
-def v_layout_is_first_or_last_stage(vp_stage=None) -> bool:
-    """``megatron.training.utils.is_first_or_last_pipeline_stage`` for the V layout: the first
-    stage (chunk 0) and the last (chunk 1) are both on pipeline rank 0, so only rank 0 reads
-    tokens and labels. ``pretrain_gpt.py``'s ``get_batch`` and ``is_dataset_built_on_rank``
-    ask it which chunks need data."""
-    from megatron.core import parallel_state
-
-    return parallel_state.get_pipeline_model_parallel_rank() == 0
+__all__ = [
+    "add_pipeline_schedule_args", "install_from_args", "schedule_options_from_args",
+    "chain_args_providers", "schedule_choices", "resolve_schedule_value",
+    "adapt_pretrain_gpt_for_v_layout", "model_provider_for_args", "model_provider_from_config",
+    "pretrain_model_for_args", "sum_tied_embedding_grads", "uses_v_layout", "v_chunk_stage",
+    "v_layout_is_first_or_last_stage", "v_layout_model_provider",
+]

@@ -216,10 +216,16 @@ def apply_cpu_patches() -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def with_global_init(provider):
-    """Fill every parameter of each chunk ``provider`` builds from its global name
-    (``tiny_gpt.init_weights``): the stage is the V wrapper's annotation, else Megatron's loop
-    placement (chunk c of rank r is stage c*p + r)."""
+#: {stage: (parameter count, decoder layer numbers)} of the chunks this process built
+STAGES_BUILT: dict[int, tuple[int, list[int]]] = {}
+
+
+def with_global_init(provider, fill: bool = True):
+    """Record each chunk ``provider`` builds (its stage: the V wrapper's annotation, else
+    Megatron's loop placement, chunk c of rank r is stage c*p + r; its parameter count and
+    layer numbers, in ``STAGES_BUILT``) and, with ``fill``, fill every parameter from its
+    global name (``tiny_gpt.init_weights``). ``fill=False`` keeps Megatron's initialisation
+    (or the V providers' own, ``v_layout_models``)."""
     from megatron_pp_ext.models import tiny_gpt
 
     @functools.wraps(provider)
@@ -234,6 +240,12 @@ def with_global_init(provider):
             vp_stage = kwargs.get("vp_stage") or 0
             model.pipeline_stage = vp_stage * p + parallel_state.get_pipeline_model_parallel_rank()
             model.pipeline_num_stages = p * (margs.virtual_pipeline_model_parallel_size or 1)
+        layers = getattr(getattr(model, "decoder", None), "layers", [])
+        STAGES_BUILT[model.pipeline_stage] = (
+            sum(param.numel() for param in model.parameters()),
+            [int(layer.layer_number) for layer in layers])
+        if not fill:
+            return model
         cfg = tiny_gpt.TinyGPTConfig(
             num_layers=margs.num_layers, hidden_size=margs.hidden_size,
             num_attention_heads=margs.num_attention_heads, vocab_size=margs.padded_vocab_size,
@@ -296,10 +308,13 @@ def forward_step(data_iterator, model):
 # --------------------------------------------------------------------------------------------
 
 
-def run_pretrain(rank: int, world_size: int, argv: Sequence[str]) -> dict[str, Any]:
+def run_pretrain(rank: int, world_size: int, argv: Sequence[str],
+                 global_init: bool = True) -> dict[str, Any]:
     """Run ``pretrain()`` with ``argv`` on this rank; return what ``train_step`` returned each
     iteration: {'lm loss': [...], 'grad_norm': [...], 'skipped': [...]} ('lm loss' only on the
-    last pipeline rank), and the forward_backward_func the loop used."""
+    last pipeline rank), the forward_backward_func the loop used, and the stages this rank
+    built ('stages': {stage: (parameters, layer numbers)}). ``global_init=False``: the weights
+    as Megatron (or the V providers) initialise them, not filled from global names."""
     apply_cpu_patches()
     from megatron.core.enums import ModelType
     from megatron.training import pretrain, training
@@ -359,9 +374,10 @@ def run_pretrain(rank: int, world_size: int, argv: Sequence[str]) -> dict[str, A
         train_valid_test_datasets_provider,
         ModelType.encoder_or_decoder,
         forward_step,
-        model_provider=with_global_init(provider),
+        model_provider=with_global_init(provider, fill=global_init),
     )
     history["rank"] = rank
+    history["stages"] = dict(STAGES_BUILT)
     from megatron_pp_ext.integration.install import current_installation
 
     installation = current_installation()
@@ -383,6 +399,10 @@ def merge_history(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
     losses = reporting[0]["lm loss"]
     for other in reporting[1:]:
         assert other["lm loss"] == losses, (reporting[0]["rank"], other["rank"])
+    stages = {}
+    for result in results:  # data-parallel replicas build the same stages
+        stages.update(result.get("stages", {}))
     return {"lm loss": losses, "eval lm loss": reporting[0].get("eval lm loss", []),
+            "stages": dict(sorted(stages.items())),
             "grad_norm": results[0]["grad_norm"],
             "skipped": results[0]["skipped"], "schedule": results[0]["schedule"]}

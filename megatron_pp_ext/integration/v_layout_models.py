@@ -1,0 +1,412 @@
+"""Model providers for the V layout (zb-v, dualpipev) in Megatron-LM's training loop.
+
+Megatron-LM builds chunk c of pipeline rank r as loop stage ``c*p + r``, with the embedding on
+(rank 0, chunk 0) and the loss on (rank p-1, chunk 1). The V layout wants stage ``2p-1-r`` in
+chunk 1 of rank r (embedding and loss both on rank 0). :func:`v_layout_model_provider` wraps a
+Megatron-LM model provider so that ``get_model`` builds those chunks:
+
+- each V stage holds the layers Megatron gives that stage (the even split, or the stage of a
+  ``--pipeline-model-parallel-layout`` string), numbered as Megatron numbers them;
+- every parameter starts with the value Megatron's 1F1B gives it (one chunk per rank, rank q
+  holding V stages 2q and 2q+1; a layout string merged pairwise), not the values of
+  Megatron's per-rank seeding of *this* rank: see :func:`v_layout_model_provider`;
+- tied embeddings share no embedding group: both copies are on rank 0, whose gradients are
+  summed there (:func:`sum_tied_embedding_grads`).
+
+Patches, each made once by the first V chunk built and undone by :func:`undo_patches`
+(``megatron_pp_ext.uninstall()`` calls it): ``megatron.training.training.Float16Module``
+(casts by the chunk's own pre/post-processing) and
+``finalize_model_grads._allreduce_word_embedding_grads`` (the local sum for V chunks).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import importlib
+import random
+from typing import Any
+
+def uses_v_layout(args: Any) -> bool:
+    """Whether ``--pipeline-schedule`` asks for a V-layout schedule (zb-v, dualpipev)."""
+    name = getattr(args, "pipeline_schedule", None)
+    if not name:
+        return False
+    from ..schedules import (
+        REGISTRY,
+        canonical_name,
+        is_schedule_file,
+        load_schedule_file,
+        schedule_layout,
+    )
+
+    if is_schedule_file(name):
+        return schedule_layout(load_schedule_file(name)) == "v"
+    try:
+        spec = REGISTRY[canonical_name(name)]
+    except ValueError:  # auto, or not a schedule (install_from_args says so)
+        return False
+    return spec.layout == "v"
+
+
+def v_chunk_stage(pp_rank: int, pp_size: int, vp_stage: int) -> int:
+    """The stage chunk ``vp_stage`` of ``pp_rank`` holds in the V layout: r, then 2p-1-r."""
+    return pp_rank if vp_stage == 0 else 2 * pp_size - 1 - pp_rank
+
+
+def v_layout_model_provider(model_provider, loop_init: bool = True):
+    """Wrap a Megatron-LM model provider (``pretrain_gpt.py``'s, or any with its keywords
+    ``pre_process, post_process, vp_stage, config, pg_collection``) so that Megatron's
+    ``get_model`` builds V-layout chunks with the same spec: chunk c of pipeline rank r is stage
+    ``r`` (c = 0) or ``2p-1-r`` (c = 1), so rank 0 holds the embedding *and* the loss.
+
+    ``get_model`` asks for pre/post-processing in Megatron's loop layout; the wrapper replaces
+    them with the V layout's. Each V stage s is built at its loop position (pipeline rank
+    ``s % p``, virtual stage ``s // p``: Megatron's pipeline rank reads that rank while it
+    builds), so a ``--pipeline-model-parallel-layout`` string gives each V stage exactly the
+    layers the string gives that stage, and the decoder layers' ``layer_number`` are the
+    stage's global layers (they set the query-key scaling coefficient and checkpoint names).
+
+    ``loop_init`` (default): every parameter starts as Megatron's 1F1B would start it. Megatron
+    seeds each pipeline rank with ``seed + 100 * rank`` and draws the parameters in build
+    order; under 1F1B rank q holds V stages 2q and 2q+1, so V stage s is built right after
+    seeding as rank ``s // 2`` (Megatron's own ``_set_random_seed``), for an odd s after first
+    building stage s-1 and dropping it, which draws what 1F1B drew before it. Every random
+    state is put back afterwards. The cost: at start-up, a chunk's build time and memory once
+    more for each odd stage. ``loop_init=False``: Megatron's seeding of this rank, as before.
+
+    Tied embeddings (no ``--untie-embeddings-and-output-weights``): the embedding (stage 0) and
+    the output layer (stage 2p-1) are both on rank 0, so no chunk joins Megatron's embedding
+    group. The output layer's copy starts as the embedding's values (Megatron's copy on the
+    last stage starts from an all-reduce with the first), and :func:`sum_tied_embedding_grads`
+    adds the two gradients on that rank where Megatron all-reduces them between ranks. Each
+    chunk is annotated with ``pipeline_stage`` / ``pipeline_num_stages``."""
+    built: dict[int, Any] = {}  # vp_stage -> chunk, on this rank (chunk 0 is built first)
+
+    @functools.wraps(model_provider)
+    def provider(pre_process=True, post_process=True, vp_stage=None, config=None,
+                 pg_collection=None, **kwargs):
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+        from megatron.core.process_groups_config import ProcessGroupCollection
+
+        if pg_collection is None:
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+        pp_group = getattr(pg_collection, "pp", None)
+        if pp_group is None:
+            pp_group = parallel_state.get_pipeline_model_parallel_group()
+        p, r = dist.get_world_size(pp_group), dist.get_rank(pp_group)
+        if vp_stage not in (0, 1):
+            raise ValueError(
+                f"the V layout builds 2 model chunks per rank, got vp_stage={vp_stage}: "
+                "add --num-virtual-stages-per-pipeline-rank 2")
+        # No chunk joins Megatron's embedding group: its all-reduces pair the first and the
+        # last pipeline rank, and here the tied copies are on one rank.
+        pg_collection = copy.copy(pg_collection)
+        pg_collection.embd = None
+
+        def build(stage: int):
+            with _pipeline_rank_as(stage % p):
+                model = model_provider(
+                    pre_process=(stage == 0), post_process=(stage == 2 * p - 1),
+                    vp_stage=stage // p, config=config, pg_collection=pg_collection, **kwargs)
+                first = _stage_first_layer(model, stage // p, stage % p)
+            return model, first
+
+        stage = v_chunk_stage(r, p, vp_stage)
+        if loop_init:
+            with _seeded_as_pipeline_rank(stage // 2):
+                if stage % 2:
+                    build(stage - 1)  # dropped: it draws what 1F1B's rank drew before
+                model, first_layer = build(stage)
+        else:
+            model, first_layer = build(stage)
+        layers = getattr(getattr(model, "decoder", None), "layers", None)
+        if layers is not None and len(layers):
+            _renumber_layers(layers, first=first_layer + 1)
+        model.pipeline_stage, model.pipeline_num_stages = stage, 2 * p
+        model.pipeline_v_layout = True
+        built[vp_stage] = model
+        if stage == 2 * p - 1 and getattr(model, "share_embeddings_and_output_weights", False):
+            _start_tied_copy(built.get(0), model)
+        _patch_once()
+        return model
+
+    provider.v_layout = True
+    return provider
+
+
+@contextlib.contextmanager
+def _pipeline_rank_as(rank: int):
+    """Megatron's ``get_pipeline_model_parallel_rank()`` returns ``rank`` inside (its own
+    override, ``set_pipeline_model_parallel_rank``), and the previous override after."""
+    from megatron.core import parallel_state
+
+    before = getattr(parallel_state, "_MPU_PIPELINE_MODEL_PARALLEL_RANK", None)
+    parallel_state.set_pipeline_model_parallel_rank(rank)
+    try:
+        yield
+    finally:
+        parallel_state.set_pipeline_model_parallel_rank(before)
+
+
+class _RankOf:
+    """A stand-in group for Megatron's ``_set_random_seed(pp_group=...)``, which reads only
+    ``group.rank()``."""
+
+    def __init__(self, rank: int):
+        self._rank = rank
+
+    def rank(self) -> int:
+        return self._rank
+
+
+@contextlib.contextmanager
+def _seeded_as_pipeline_rank(rank: int):
+    """Inside: every generator seeded as Megatron seeds pipeline rank ``rank`` at start-up
+    (``megatron.training.initialize._set_random_seed`` with the run's arguments). After: every
+    generator as it was before (Python, NumPy, torch's CPU and CUDA defaults, the CUDA RNG
+    tracker's named states)."""
+    import numpy as np
+    import torch
+    from megatron.core import tensor_parallel
+    from megatron.training import get_args
+    from megatron.training.initialize import _set_random_seed
+
+    from .. import device as device_helper
+
+    args = get_args()
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    saved = (random.getstate(), np.random.get_state(), torch.get_rng_state(),
+             device_helper.cuda_rng_state(), tracker.get_states())
+    try:
+        _set_random_seed(args.seed, args.data_parallel_random_init, args.te_rng_tracker,
+                         args.inference_rng_tracker,
+                         use_cudagraphable_rng=getattr(args, "enable_cuda_graph", False),
+                         pp_group=_RankOf(rank))
+        yield
+    finally:
+        random.setstate(saved[0])
+        np.random.set_state(saved[1])
+        torch.set_rng_state(saved[2])
+        device_helper.set_cuda_rng_state(saved[3])
+        tracker.set_states(saved[4])
+
+
+def _stage_first_layer(model, vp_stage: int, loop_rank: int) -> int:
+    """The global index of the stage's first decoder layer, as Megatron counts it for the
+    loop position (``loop_rank``, ``vp_stage``): from the layout string when there is one,
+    else from the split of ``--num-layers``."""
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    config = getattr(model, "config", None)
+    if config is None:
+        return 0
+    return int(get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=loop_rank))
+
+
+def _start_tied_copy(embedding_chunk, output_chunk) -> None:
+    """The output layer's tied copy (Megatron fills it with zeros and expects an all-reduce
+    with the embedding's rank) takes the embedding's values, on the one rank that holds both."""
+    import torch
+
+    if embedding_chunk is None or not getattr(embedding_chunk, "pre_process", False):
+        raise ValueError(
+            "tied embeddings under the V layout: the chunk with the output layer was built "
+            "before the chunk with the embedding on this rank; build chunk 0 first (as "
+            "Megatron's get_model does) or add --untie-embeddings-and-output-weights")
+    source = embedding_chunk.shared_embedding_or_output_weight()
+    target = output_chunk.shared_embedding_or_output_weight()
+    with torch.no_grad():
+        target.copy_(source)
+
+
+def tied_embedding_copies(model_chunks) -> tuple | None:
+    """``(embedding weight, output layer's copy)`` when this rank holds both chunks of a
+    V-layout model with tied embeddings, else None."""
+    from megatron.core.utils import get_attr_wrapped_model
+
+    inner = [get_attr_wrapped_model(chunk, "pre_process", return_model_obj=True)
+             for chunk in model_chunks]
+    tied = [m for m in inner if getattr(m, "pipeline_v_layout", False)
+            and getattr(m, "share_embeddings_and_output_weights", False)]
+    first = [m for m in tied if m.pre_process]
+    last = [m for m in tied if m.post_process and not m.pre_process]
+    if not first or not last:
+        return None
+    return (first[0].shared_embedding_or_output_weight(),
+            last[0].shared_embedding_or_output_weight())
+
+
+def sum_tied_embedding_grads(model_chunks) -> bool:
+    """On the rank that holds both tied copies (V layout), give each the sum of both
+    gradients (``main_grad`` under Megatron DDP), as Megatron's embedding-group all-reduce
+    does between the first and the last rank; return whether this rank holds a pair."""
+    pair = tied_embedding_copies(model_chunks)
+    if pair is None:
+        return False
+    grads = [getattr(weight, "main_grad", None) for weight in pair]
+    if any(grad is None for grad in grads):
+        grads = [weight.grad for weight in pair]
+    if all(grad is not None for grad in grads):
+        total = grads[0] + grads[1]
+        for grad in grads:
+            grad.copy_(total)
+    return True
+
+
+def _is_v_layout_model(model_chunks) -> bool:
+    from megatron.core.utils import get_attr_wrapped_model
+
+    return any(getattr(get_attr_wrapped_model(chunk, "pre_process", return_model_obj=True),
+                       "pipeline_v_layout", False) for chunk in model_chunks)
+
+
+# --------------------------------------------------------------------------------------------
+# Patches of Megatron (made once, by the first V chunk built; undone by undo_patches)
+# --------------------------------------------------------------------------------------------
+
+_PATCHED: list[tuple[Any, str, Any]] = []  # (owner, attribute, Megatron's original)
+
+
+def _patch_once() -> None:
+    if _PATCHED:
+        return
+    from megatron.training import training
+
+    # the module, not the function the package exports under the same name
+    finalize_module = importlib.import_module("megatron.core.distributed.finalize_model_grads")
+
+    original = finalize_module._allreduce_word_embedding_grads
+
+    @functools.wraps(original)
+    def allreduce_word_embedding_grads(model, config, *args, **kwargs):
+        """Megatron's, except for V-layout chunks: their tied copies are both on rank 0 and
+        none is in the embedding group, so the sum is taken on that rank."""
+        if _is_v_layout_model(model):
+            sum_tied_embedding_grads(model)
+            return None
+        return original(model, config, *args, **kwargs)
+
+    for owner, attribute, replacement in (
+            (training, "Float16Module", _v_layout_float16_module_class()),
+            (finalize_module, "_allreduce_word_embedding_grads",
+             allreduce_word_embedding_grads)):
+        _PATCHED.append((owner, attribute, getattr(owner, attribute)))
+        setattr(owner, attribute, replacement)
+
+
+def undo_patches() -> None:
+    """Put back what :func:`_patch_once` replaced (``megatron_pp_ext.uninstall()``)."""
+    while _PATCHED:
+        owner, attribute, original = _PATCHED.pop()
+        setattr(owner, attribute, original)
+
+
+@functools.lru_cache(maxsize=1)
+def _v_layout_float16_module_class():
+    """``get_model`` wraps each chunk in ``Float16Module`` for --bf16 / --fp16, which casts the
+    inputs of Megatron's first stage and upcasts the outputs of its *last* stage, both found by
+    the loop layout (rank p-1's chunk 1 upcasts hidden states it sends on; rank 0's loss chunk
+    does not). The V-aware subclass asks a V chunk's own ``pre_process`` / ``post_process``;
+    for any other chunk it is Megatron's ``Float16Module``."""
+    from megatron.core.transformer.module import Float16Module, float16_to_fp32, fp32_to_float16
+
+    class VLayoutFloat16Module(Float16Module):
+        v_layout_aware = True
+
+        def forward(self, *inputs, fp32_output=True, **kwargs):
+            if not getattr(self.module, "pipeline_v_layout", False):
+                return super().forward(*inputs, fp32_output=fp32_output, **kwargs)
+            if self.module.pre_process:
+                inputs = fp32_to_float16(inputs, self.float16_convertor)
+            outputs = self.module(*inputs, **kwargs)
+            if self.module.post_process and fp32_output is True:
+                outputs = float16_to_fp32(outputs)
+            return outputs
+
+    return VLayoutFloat16Module
+
+
+def _renumber_layers(layers, first: int) -> None:
+    for i, layer in enumerate(layers):
+        delta = first + i - getattr(layer, "layer_number", first + i)
+        if delta:
+            for module in layer.modules():
+                number = getattr(module, "layer_number", None)
+                if isinstance(number, int) and not isinstance(number, bool):
+                    module.layer_number = number + delta
+
+
+def model_provider_for_args(model_provider, args: Any):
+    """``model_provider`` as it is, or wrapped by :func:`v_layout_model_provider` when
+    ``--pipeline-schedule`` is a V-layout schedule: what a training script passes to
+    ``pretrain()`` so every schedule works from the same command line."""
+    if model_provider is None or not uses_v_layout(args):
+        return model_provider
+    return v_layout_model_provider(model_provider)
+
+
+def model_provider_from_config(model_config):
+    """A Megatron-LM model provider (``pre_process, post_process, vp_stage, config,
+    pg_collection``) that builds one chunk with the builder of ``model_config`` (a
+    ``megatron.training`` ModelConfig, e.g. ``gpt_config_from_args(args)``: the GPT spec
+    ``pretrain_gpt.py`` trains)."""
+    builder = model_config.get_builder_cls()(model_config)
+
+    def provider(pre_process=True, post_process=True, vp_stage=None, config=None,
+                 pg_collection=None):
+        if pg_collection is None:
+            from megatron.core.process_groups_config import ProcessGroupCollection
+
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+        return builder.build_model(pg_collection, pre_process=pre_process,
+                                   post_process=post_process, vp_stage=vp_stage)
+
+    return provider
+
+
+def pretrain_model_for_args(cfg_container, args: Any):
+    """``(cfg_container, model_provider)`` to pass to ``pretrain()``. Unchanged (Megatron builds
+    from ``cfg_container.model``, no provider) unless ``--pipeline-schedule`` is a V-layout
+    schedule: then the provider builds V-layout chunks from the same model config
+    (:func:`v_layout_model_provider` over :func:`model_provider_from_config`) and
+    ``cfg_container.model`` is set to None, so ``pretrain()`` takes the provider."""
+    if not uses_v_layout(args) or getattr(cfg_container, "model", None) is None:
+        return cfg_container, None
+    provider = v_layout_model_provider(model_provider_from_config(cfg_container.model))
+    cfg_container.model = None
+    return cfg_container, provider
+
+
+
+def adapt_pretrain_gpt_for_v_layout(pretrain_gpt_module) -> None:
+    """Make Megatron-LM's ``pretrain_gpt.py`` (imported as a module) feed V-layout chunks. Its
+    ``get_batch`` and ``is_dataset_built_on_rank`` choose the chunks that read data by Megatron's
+    placement (first stage: pipeline rank 0, last stage: rank p-1), and the batch helper drops
+    the labels and the loss mask on the first pipeline rank. In the V layout rank 0 holds both
+    the first and the last stage, so: only rank 0 reads data, and it keeps every tensor (the
+    batch helper treats it as a whole pipeline)."""
+    pretrain_gpt_module.is_first_or_last_pipeline_stage = v_layout_is_first_or_last_stage
+    original = pretrain_gpt_module.get_batch_on_this_tp_rank
+    if getattr(original, "v_layout", False):
+        return
+
+    @functools.wraps(original)
+    def get_batch_on_this_tp_rank(batch, *args, **kwargs):
+        kwargs["pipeline_model_parallel_size"] = 1  # rank 0 needs tokens *and* labels
+        return original(batch, *args, **kwargs)
+
+    get_batch_on_this_tp_rank.v_layout = True
+    pretrain_gpt_module.get_batch_on_this_tp_rank = get_batch_on_this_tp_rank
+
+
+def v_layout_is_first_or_last_stage(vp_stage=None) -> bool:
+    """``megatron.training.utils.is_first_or_last_pipeline_stage`` for the V layout: the first
+    stage (chunk 0) and the last (chunk 1) are both on pipeline rank 0, so only rank 0 reads
+    tokens and labels. ``pretrain_gpt.py``'s ``get_batch`` and ``is_dataset_built_on_rank``
+    ask it which chunks need data."""
+    from megatron.core import parallel_state
+
+    return parallel_state.get_pipeline_model_parallel_rank() == 0
