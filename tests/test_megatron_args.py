@@ -287,8 +287,8 @@ def test_schedule_file_options_and_layout(tmp_path):
      "places 1 stage(s) on each rank but Megatron builds 2 model chunk(s) per rank: remove"),
     ("zb-v", {}, "add --num-virtual-stages-per-pipeline-rank 2 (the file's V layout"),
     ("zb-v", dict(virtual_pipeline_model_parallel_size=2,
-                  untie_embeddings_and_output_weights=False),
-     "add --untie-embeddings-and-output-weights"),
+                  decoder_first_pipeline_num_layers=1),
+     "cannot honour --decoder-first-pipeline-num-layers"),
     ("zb-h1", dict(pp_max_pending_backward=2), "drop --pp-max-pending-backward"),
     ("zb-h1", dict(pp_schedule_chunks=2), "--pp-schedule-chunks 2 does not fit"),
     ("zb-h1", dict(global_batch_size=16, micro_batch_size=1, data_parallel_size=1),
@@ -332,3 +332,70 @@ def test_pp_trace_dir_turns_tracing_on_and_names_the_folder(monkeypatch):
     assert (options["trace"], options["trace_dir"]) == (True, "runs/trace")
     plain = schedule_options_from_args(parser.parse_args(["--pipeline-schedule", "zb-h1"]))
     assert plain["trace"] is False and "trace_dir" not in plain
+
+
+# --- refusals at argument time, through Megatron's own parser and validate_args (pp=4, m=8) --
+
+
+def test_a_layout_string_with_two_stages_per_rank_names_that_flag_for_one_chunk_schedules(
+        monkeypatch):
+    """The virtual stages come from the string: the message names it (not the two vp flags
+    the user never passed) and says how many stages a one-chunk schedule needs."""
+    args = _megatron_args(monkeypatch, ["--pipeline-schedule", "zb-h1",
+                                        "--pipeline-model-parallel-layout", "Et|t|t|t|t|t|t|tL"])
+    assert args.virtual_pipeline_model_parallel_size == 2
+    with pytest.raises(ValueError) as info:
+        install_from_args(args)
+    text = str(info.value)
+    assert "--pipeline-model-parallel-layout 'Et|t|t|t|t|t|t|tL' gives each pipeline rank " \
+           "several stages: write it with 4 stage(s)" in text
+    assert "--num-virtual-stages-per-pipeline-rank" not in text
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--decoder-first-pipeline-num-layers", "2", "--decoder-last-pipeline-num-layers", "2"],
+     "--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers"),
+    (["--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"],
+     "--account-for-embedding-in-pipeline-split / --account-for-loss-in-pipeline-split"),
+])
+@pytest.mark.parametrize("name", ["zb-v", "dualpipev"])
+def test_v_layouts_refuse_megatrons_loop_splits_and_point_to_a_layout_string(
+        monkeypatch, name, flags, named):
+    args = _megatron_args(monkeypatch, ["--pipeline-schedule", name,
+                                        "--num-virtual-stages-per-pipeline-rank", "2", *flags])
+    with pytest.raises(ValueError) as info:
+        install_from_args(args)
+    assert f"cannot honour {named}" in str(info.value)
+    assert "--pipeline-model-parallel-layout" in str(info.value)
+
+
+def test_v_layouts_take_a_layout_string_of_2p_stages(monkeypatch):
+    import megatron_pp_ext as plugin
+
+    args = _megatron_args(monkeypatch, [
+        "--pipeline-schedule", "zb-v",
+        "--pipeline-model-parallel-layout", "Et|t|t|t|t|t|t|tL"])  # 8 stages at pp 4
+    try:
+        assert install_from_args(args) is True
+    finally:
+        plugin.uninstall()
+    args = _megatron_args(monkeypatch, [
+        "--pipeline-schedule", "zb-v", "--pipeline-model-parallel-layout",
+        "Ett|t|t|t|t|t|t|t|t|t|t|L"])  # 12 stages: 3 per rank
+    with pytest.raises(ValueError, match=r"'Ett\|t.*must hold 2p = 8 stages, two per rank"):
+        install_from_args(args)
+
+
+def test_interleaved_with_fewer_microbatches_than_ranks_is_refused_at_argument_time(
+        monkeypatch):
+    """m = 2 < p = 4: Megatron's interleaved schedule cannot run it; refused when the
+    arguments are read, naming the batch flags, not at the first step."""
+    args = _megatron_args(monkeypatch, ["--pipeline-schedule", "interleaved",
+                                        "--num-virtual-stages-per-pipeline-rank", "2",
+                                        "--global-batch-size", "2"])
+    with pytest.raises(ValueError) as info:
+        install_from_args(args)
+    text = str(info.value)
+    assert text.startswith("--pipeline-schedule interleaved cannot run 2 microbatches per "
+                           "step at --pipeline-model-parallel-size 4 (--global-batch-size 2 / "
+                           "(--micro-batch-size 1 x data-parallel size 1)): interleaved:")
