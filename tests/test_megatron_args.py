@@ -399,3 +399,27 @@ def test_interleaved_with_fewer_microbatches_than_ranks_is_refused_at_argument_t
     assert text.startswith("--pipeline-schedule interleaved cannot run 2 microbatches per "
                            "step at --pipeline-model-parallel-size 4 (--global-batch-size 2 / "
                            "(--micro-batch-size 1 x data-parallel size 1)): interleaved:")
+
+
+def test_the_v_layout_providers_patches_are_undone_by_uninstall():
+    """The first V chunk built patches Megatron's Float16Module (casts by the chunk's own
+    pre/post-processing) and finalize_model_grads' embedding all-reduce (summed on rank 0);
+    megatron_pp_ext.uninstall() puts both back."""
+    import importlib
+
+    from megatron.training import training
+
+    import megatron_pp_ext as plugin
+    from megatron_pp_ext.integration import v_layout_models
+
+    finalize = importlib.import_module("megatron.core.distributed.finalize_model_grads")
+    originals = (training.Float16Module, finalize._allreduce_word_embedding_grads)
+    v_layout_models._patch_once()
+    try:
+        assert training.Float16Module.v_layout_aware is True
+        assert finalize._allreduce_word_embedding_grads is not originals[1]
+        v_layout_models._patch_once()  # once: a second call patches nothing more
+        assert len(v_layout_models._PATCHED) == 2
+    finally:
+        plugin.uninstall()
+    assert (training.Float16Module, finalize._allreduce_word_embedding_grads) == originals

@@ -32,10 +32,13 @@ a schedule file (.csv / .json)     what its stage-to-rank mapping says: v stages
 Names are case-insensitive, and PyTorch's names for the same schedules work too
 (``Interleaved1F1B``, ``ZBVZeroBubble``, ``DualPipeV``, ...: ``schedules.ALIASES``).
 
-Caveat for zb-v / dualpipev: Megatron-LM builds chunk c of rank r as stage c*p + r, with the
-embedding on (rank 0, chunk 0) and the loss on (rank p-1, chunk 1); its pipeline layouts insist
-on that order. The V layout wants stage 2p-1-r in chunk 1 of rank r (loss on rank 0), so the
-model chunks must be built for it: this module checks only that there are two.
+For zb-v / dualpipev: Megatron-LM builds chunk c of rank r as stage c*p + r, with the embedding
+on (rank 0, chunk 0) and the loss on (rank p-1, chunk 1). The V layout wants stage 2p-1-r in
+chunk 1 of rank r (loss on rank 0), so the model chunks must be built for it:
+``v_layout_models`` does (layout strings, tied embeddings, 1F1B's starting weights); this module
+checks that there are two chunks and refuses the per-rank loop splits that cannot apply.
+Every named schedule is built once here for the run's pipeline size and microbatch count, so
+one that cannot run them (interleaved with m < p) stops before any communication.
 """
 
 from __future__ import annotations
