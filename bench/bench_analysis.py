@@ -15,7 +15,7 @@ import statistics
 import time
 
 from megatron_pp_ext.analysis.simulate import simulate
-from megatron_pp_ext.analysis.validate import validate_schedule
+from megatron_pp_ext.schedules.validate import validate_schedule
 from megatron_pp_ext.ir import ScheduleError
 from megatron_pp_ext.schedules import REGISTRY, build_schedule
 

@@ -61,7 +61,7 @@ import torch  # noqa: E402
 
 from megatron_pp_ext.runtime.executor import Executor  # noqa: E402
 from megatron_pp_ext.runtime.inmemory import run_ranks_in_threads  # noqa: E402
-from megatron_pp_ext.runtime.lowering import nccl_post_ahead, nccl_posting  # noqa: E402
+from megatron_pp_ext.analysis.lowering import nccl_post_ahead, nccl_posting  # noqa: E402
 from megatron_pp_ext.schedules import build_schedule  # noqa: E402
 from support.emulated import microbatch_inputs, stage_weights  # noqa: E402
 from support.inmemory import RecordingWork  # noqa: E402

@@ -123,7 +123,7 @@ def run(p: int = 4, m: int = 8, steps: int = 2, schedules=SCHEDULES, calibrate_m
 
 def markdown(section: dict) -> list[str]:
     """The table: peak bytes on the first and last rank, measured and predicted."""
-    from megatron_pp_ext.runtime.memory import format_bytes_iec as fmt
+    from megatron_pp_ext.units import format_bytes_iec as fmt
 
     p, m = section["p"], section["m"]
     out = [f"Tiny GPT (8 layers, hidden 64, micro-batch 4 x 32 tokens, fp32), p={p}, m={m}, "

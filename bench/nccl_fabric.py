@@ -2,7 +2,7 @@
 
 Each rank is a thread of one process running the real ``Executor`` as it runs on NCCL (Megatron's
 fused calls, receives posted ahead where proven, or the lockstep program: whatever
-``runtime.lowering`` picks) over ``tests/support/nccl_fabric.NcclRulesFabric``: rendezvous
+``analysis.lowering`` picks) over ``tests/support/nccl_fabric.NcclRulesFabric``: rendezvous
 sends, one Work per batch, a rank's batches in order, data visible only after the wait. The
 stages sleep a rank's share of ``t`` per F, I and W (``t / v`` per chunk), standing in for GPU
 kernels; the in-memory copy takes no measurable time.

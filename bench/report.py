@@ -233,7 +233,7 @@ def cross_step_table(trees: list) -> list[str]:
            f"t_copy = {1e3 * first['t_copy']:.0f} ms and the optimistic step at once, settled "
            "before the rank's next step reads its weights; on step(s) "
            f"{first['rollback_steps']} of steps 0-{first['k'] - 1} the norm is above the clip: "
-           "restore and redo, t_copy + t_opt more). *run-ahead*: `post_validation.RunAhead` "
+           "restore and redo, t_copy + t_opt more). *run-ahead*: `run_ahead_step.RunAhead` "
            "(the next step starts at once on the optimistic weights; the previous step settles "
            "after its compute; a step after a rolled-back one is replayed). Steady step "
            f"(E_{first['k']} - E_1) / {first['k'] - 1} over {first['k']} steps back to back "
@@ -348,7 +348,7 @@ def nccl_fabric_markdown(section: dict, checks: list) -> list[str]:
     cal = section["calibration"]
     out = ["## (e) Emulated device over the in-memory NCCL-rules fabric", "",
            "Threads of one process run the real Executor as on NCCL (the posting "
-           "`runtime.lowering` picks) over `NcclRulesFabric` (rendezvous sends, one Work per "
+           "`analysis.lowering` picks) over `NcclRulesFabric` (rendezvous sends, one Work per "
            "batch, batches in order per rank, data visible after the wait); stages sleep "
            "t_F = t_I = t_W = 20 ms per rank (1/v per chunk). Predicted by the simulator's "
            "NCCL model (`simulate(..., communication=\"nccl\")`: the lowered program timed "

@@ -157,7 +157,7 @@ def test_the_run_time_checks_name_p_m_and_chunks(tmp_path):
 def test_the_peer_csv_loads_and_passes_nccls_rules():
     """PyTorch's ZB1P CSV loads as a v=2 loop-layout schedule, validates, and a P2P program
     for it passes NCCL's rules."""
-    from megatron_pp_ext.runtime.lowering import LOCKSTEP, MEGATRON, lower, nccl_posting
+    from megatron_pp_ext.analysis.lowering import LOCKSTEP, MEGATRON, lower, nccl_posting
     from megatron_pp_ext.analysis.nccl_rules import check_nccl_rules
 
     options = PipelineOptions(schedule=str(PEER_CSV))  # raises unless both checks pass
@@ -210,7 +210,7 @@ def test_a_csv_that_deadlocks_is_refused_by_the_validator(tmp_path):
 @pytest.mark.parametrize("text, words", [
     # stages 0, 1 on rank 0 and 2, 3 on rank 1: neither Megatron's loop layout nor the V
     ("0F0,1F0,1B0,0B0\n2F0,3F0,3B0,2B0\n", "built only for the loop layout"),
-    # a CSV may bring its communication (runtime.user_program), but not a message to nowhere
+    # a CSV may bring its communication (analysis.user_program), but not a message to nowhere
     ("0F0,0SEND_F0\n", "P2P op '0SEND_F0' names stage 0, .* no neighbour stage 1"),
     ("", "holds no rows"),
 ])

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_pp_ext.analysis.validate import validate_schedule
+from megatron_pp_ext.schedules.validate import validate_schedule
 from megatron_pp_ext.ir import Action, Schedule, ScheduleError, parse_cell
 from megatron_pp_ext.schedules import REGISTRY, build_schedule
 

@@ -13,17 +13,13 @@ from __future__ import annotations
 
 import torch
 
-from megatron_pp_ext.analysis.validate import peak_activations
 from megatron_pp_ext.ir import BACKWARD, BACKWARD_INPUT, FORWARD
 from megatron_pp_ext.runtime.executor import Executor
 from megatron_pp_ext.runtime.inmemory import run_ranks_in_threads
-from megatron_pp_ext.runtime.memory import (
-    ActivationMemory,
-    format_bytes_iec,
-    predicted_peak_bytes,
-    unique_bytes,
-)
+from megatron_pp_ext.runtime.memory import ActivationMemory, predicted_peak_bytes, unique_bytes
 from megatron_pp_ext.schedules import build_schedule
+from megatron_pp_ext.schedules.validate import peak_activations
+from megatron_pp_ext.units import format_bytes_iec
 from support.emulated import microbatch_inputs, stage_weights
 
 ROWS, WIDTH = 3, 6

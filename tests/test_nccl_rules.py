@@ -25,7 +25,7 @@ from megatron_pp_ext.analysis.nccl_rules import (
 from megatron_pp_ext.ir import Schedule, ScheduleError
 from megatron_pp_ext.runtime.executor import Executor
 from megatron_pp_ext.runtime.inmemory import run_ranks_in_threads
-from megatron_pp_ext.runtime.lowering import (
+from megatron_pp_ext.analysis.lowering import (
     LOCKSTEP,
     MEGATRON,
     lower,

@@ -8,7 +8,7 @@ import pytest
 
 from megatron_pp_ext.analysis.nccl_timing import time_program
 from megatron_pp_ext.analysis.simulate import CostModel, action_durations, simulate
-from megatron_pp_ext.runtime.lowering import lower, nccl_post_ahead, nccl_program
+from megatron_pp_ext.analysis.lowering import lower, nccl_post_ahead, nccl_program
 from megatron_pp_ext.schedules import build_schedule
 from megatron_pp_ext.timeline import COMM_WAIT, COMPUTE, P2P
 

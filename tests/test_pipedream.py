@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_pp_ext.analysis.validate import validate_schedule
+from megatron_pp_ext.schedules.validate import validate_schedule
 from megatron_pp_ext.ir import Schedule, ScheduleError
 from megatron_pp_ext.runtime.weight_versions import plan_versions
 from megatron_pp_ext.schedules import (

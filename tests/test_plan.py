@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_pp_ext.analysis.validate import peak_activations
+from megatron_pp_ext.schedules.validate import peak_activations
 from megatron_pp_ext.integration.pretrain_plan import plan_pretrain, split_launcher
 from megatron_pp_ext.schedules import build_schedule
 

@@ -1,4 +1,4 @@
-"""A schedule CSV that brings its own communication (runtime.user_program): read, checked
+"""A schedule CSV that brings its own communication (analysis.user_program): read, checked
 against NCCL's rules and the executor, and run as written over the NCCL-rules fabric."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import pytest
 from megatron_pp_ext.ir import ScheduleError
 from megatron_pp_ext.runtime.executor import Executor
 from megatron_pp_ext.runtime.inmemory import run_ranks_in_threads
-from megatron_pp_ext.runtime.lowering import nccl_program, user_postings
-from megatron_pp_ext.runtime.user_program import has_communication, load
+from megatron_pp_ext.analysis.lowering import nccl_program, user_postings
+from megatron_pp_ext.analysis.user_program import has_communication, load
 from megatron_pp_ext.schedules import build_schedule
 from support.emulated import microbatch_inputs, stage_weights
 from support.inmemory import ROWS, WIDTH, RecordingWork, assert_equals_pp1
@@ -111,7 +111,7 @@ def test_a_schedule_file_with_its_own_communication_runs_it_under_nccl_rules(tmp
     batches (real processes, gloo made to follow NCCL's batch rules), and the step is bit for
     bit the built-in zb-h1's."""
     from megatron_pp_ext.integration.forward_backward import ScheduleFunction
-    from megatron_pp_ext.runtime.lowering import LOCKSTEP, lower
+    from megatron_pp_ext.analysis.lowering import LOCKSTEP, lower
     from megatron_pp_ext.schedules import load_schedule_file
     from megatron_pp_ext.train.processes import spawn
     from support.nccl_rules import run_steps_under_rules
@@ -136,7 +136,7 @@ def test_a_schedule_file_with_its_own_communication_runs_it_under_nccl_rules(tmp
 
 def test_simulate_command_reads_a_csv_with_its_own_communication(tmp_path, capsys):
     from megatron_pp_ext.cli import main
-    from megatron_pp_ext.runtime.lowering import LOCKSTEP, lower
+    from megatron_pp_ext.analysis.lowering import LOCKSTEP, lower
 
     program = lower(build_schedule("zb-h1", 2, 4), LOCKSTEP)
     path = tmp_path / "own.csv"

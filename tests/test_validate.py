@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 import megatron_pp_ext
-from megatron_pp_ext.analysis.validate import (
+from megatron_pp_ext.schedules.validate import (
     activation_trace,
     check_deadlock,
     execute_in_order,

@@ -2,7 +2,7 @@
 
 Every schedule goes through two independent checks: a small checker of our own (counts, local
 order, per-peer message order, deadlock freedom by running the lists) and the project's
-``analysis.validate.validate_schedule`` with ``channels="pair"``: messages between two ranks,
+``schedules.validate.validate_schedule`` with ``channels="pair"``: messages between two ranks,
 activations and gradients mixed, matched in each side's own action order (the strictest rule;
 the executor's default, receiving in the sender's order, accepts every such schedule). The
 cost-model facts are measured by our own eager run and cross-checked against
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import pytest
 
 from megatron_pp_ext.analysis.simulate import CostModel, simulate
-from megatron_pp_ext.analysis.validate import validate_schedule
+from megatron_pp_ext.schedules.validate import validate_schedule
 from megatron_pp_ext.ir import Schedule, ScheduleError
 from megatron_pp_ext.schedules import REGISTRY, build_schedule
 from megatron_pp_ext.schedules._common import loop_placement, v_placement

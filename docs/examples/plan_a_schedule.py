@@ -6,7 +6,7 @@
 from megatron_pp_ext.analysis.render import render_ascii, render_chrome_trace, render_html
 from megatron_pp_ext.analysis.select import MiB, select_schedules
 from megatron_pp_ext.analysis.simulate import CostModel, simulate
-from megatron_pp_ext.analysis.validate import peak_activations, validate_schedule
+from megatron_pp_ext.schedules.validate import peak_activations, validate_schedule
 from megatron_pp_ext.ir import Action, Schedule, ScheduleError
 from megatron_pp_ext.schedules import REGISTRY, build_schedule
 

@@ -32,6 +32,7 @@ from pathlib import Path
 
 from ..ir import KINDS, Action, Schedule, ScheduleError
 from ..timeline import COMM_WAIT, COMPUTE, Event, Timeline
+from .measured import mean_durations, message_latency
 from .simulate import RANK, CostModel
 
 #: What a peak count of v=1 activations means, for labels.
@@ -301,8 +302,6 @@ def _chrome_timeline(path: str, data) -> Timeline:
 
 
 def _from_timeline(path: str, timeline: Timeline, what: str) -> MeasuredCosts:
-    from ..runtime.trace import mean_durations  # pure Python; imports no torch
-
     owner = {Action.parse(e.label).stage: e.rank
              for e in timeline.events if e.category == COMPUTE}
     p = timeline.num_ranks
@@ -326,10 +325,8 @@ def _from_timeline(path: str, timeline: Timeline, what: str) -> MeasuredCosts:
 
 
 def _latency(timeline: Timeline) -> float:
-    """The measured message latency (``runtime.trace.message_latency``, the one ``train``
+    """The measured message latency (``analysis.measured.message_latency``, the one ``train``
     predicts with), on the stage placement the events show."""
-    from ..runtime.trace import message_latency  # pure Python; imports no torch
-
     owner: dict[int, int] = {}
     for e in timeline.events:
         if e.category == COMPUTE:

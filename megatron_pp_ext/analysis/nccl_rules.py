@@ -20,103 +20,10 @@ messages would be matched with the wrong ones. Pure: no torch, no communication.
 
 from __future__ import annotations
 
-import json
 from collections import defaultdict
-from dataclasses import dataclass, field
 
 from ..ir import ScheduleError
-
-SEND, RECV = "send", "recv"
-
-
-@dataclass(frozen=True)
-class P2POp:
-    kind: str  # SEND or RECV
-    peer: int  # the other rank
-    label: str  # what it carries, the same text on both sides, e.g. "forward 3F2"
-    name: str = ""  # this side in torch.distributed.pipelining's words, e.g. "2SEND_F2"
-
-
-@dataclass
-class Batch:
-    rank: int
-    index: int  # position in the rank's posting order (its stream order)
-    ops: list[P2POp]
-    call: str = ""  # the call that posted it (Megatron's name), for messages
-
-    def __str__(self) -> str:
-        ops = ", ".join(f"{op.kind} {op.label} {'to' if op.kind == SEND else 'from'} "
-                        f"rank {op.peer}" for op in self.ops)
-        return f"rank {self.rank} batch #{self.index} ({self.call or 'p2p'}: {ops})"
-
-
-@dataclass(frozen=True)
-class Post:
-    batch: Batch
-
-
-@dataclass(frozen=True)
-class Wait:
-    batch: int  # index of the rank's batch waited on
-    why: str = ""
-
-
-@dataclass(frozen=True)
-class Compute:
-    action: str
-
-
-@dataclass
-class Program:
-    """Per rank, its steps in order."""
-
-    name: str
-    steps: list[list] = field(default_factory=list)
-
-    def batches(self, rank: int) -> list[Batch]:
-        return [step.batch for step in self.steps[rank] if isinstance(step, Post)]
-
-    def cells(self) -> list[list[str]]:
-        """Per rank, its steps in the text form of torch.distributed.pipelining's lowered
-        schedules: compute actions as they are ("2F0"), a batch of P2P ops as
-        ``(2SEND_F2;3RECV_B0)BATCH#5`` (its ops posted together, in one NCCL group; a lone
-        op is a batch of one), and ``WAIT#5`` where the host waits on batch 5."""
-        rows = []
-        for steps in self.steps:
-            cells = []
-            for step in steps:
-                if isinstance(step, Compute):
-                    cells.append(step.action)
-                elif isinstance(step, Post):
-                    names = ";".join(op.name or f"{op.kind}:{op.label}" for op in step.batch.ops)
-                    cells.append(f"({names})BATCH#{step.batch.index}")
-                else:
-                    cells.append(f"WAIT#{step.batch}")
-            rows.append(cells)
-        return rows
-
-    def to_csv(self) -> str:
-        """One row per rank of ``cells``."""
-        return "\n".join(",".join(row) for row in self.cells()) + "\n"
-
-    def to_json(self) -> str:
-        """``{"name": ..., "ranks": [[cell, ...], ...]}`` with the cells of ``cells``."""
-        return json.dumps({"name": self.name, "ranks": self.cells()}, indent=1)
-
-    def text(self, rank: int) -> str:
-        """One line per step, e.g. ``post #3 [send forward 1F2 -> 1, recv backward 0B0 <- 1]``."""
-        lines = []
-        for step in self.steps[rank]:
-            if isinstance(step, Compute):
-                lines.append(step.action)
-            elif isinstance(step, Post):
-                ops = ", ".join(f"{op.kind} {op.label} {'->' if op.kind == SEND else '<-'} "
-                                f"{op.peer}" for op in step.batch.ops)
-                lines.append(f"post #{step.batch.index} [{ops}]")
-            else:
-                lines.append(f"wait #{step.batch}")
-        return "\n".join(lines)
-
+from ..program import RECV, SEND, Batch, Compute, P2POp, Post, Program, Wait
 
 def check_nccl_rules(program: Program) -> None:
     """Raise ``ScheduleError`` if ``program`` can hang or mismatch messages under NCCL."""

@@ -24,7 +24,8 @@ from collections import defaultdict
 
 from ..ir import Action, Schedule, ScheduleError
 from ..timeline import COMM_WAIT, COMPUTE, P2P, Event, Timeline
-from .nccl_rules import SEND, Batch, Compute, Post, Program, Wait, check_nccl_rules
+from ..program import SEND, Batch, Compute, Post, Program, Wait
+from .nccl_rules import check_nccl_rules
 
 _MESSAGE = re.compile(r"(forward|backward) (\d+)[FB]\d+$")
 

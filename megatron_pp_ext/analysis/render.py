@@ -13,6 +13,7 @@ import html
 import math
 
 from ..timeline import COMM_WAIT, COMPUTE, P2P, Timeline
+from ..units import format_bytes_iec
 
 IDLE = "."
 P2P_MARK = "="  # ASCII: a P2P batch in flight on the rank's communication stream
@@ -517,8 +518,6 @@ def _bytes_cell(value) -> str:
     """A byte count in binary units, the exact number in its tooltip."""
     if value is None:
         return "<td></td>"
-    from ..runtime.memory import format_bytes_iec
-
     return f'<td title="{int(value)} bytes">{html.escape(format_bytes_iec(value))}</td>'
 
 

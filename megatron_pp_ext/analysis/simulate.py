@@ -18,7 +18,9 @@ from typing import Sequence, Union
 
 from ..ir import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Schedule
 from ..timeline import COMM_WAIT, COMPUTE, Event, Timeline
-from .validate import execute_in_order, explain_blocked, peak_activations, validate_schedule
+from ..schedules.validate import execute_in_order, explain_blocked, peak_activations, validate_schedule
+from .lowering import nccl_program
+from .nccl_timing import time_program
 
 Cost = Union[float, Sequence[float]]
 
@@ -182,9 +184,6 @@ def simulate(schedule: Schedule, costs: CostModel | None = None, validate: bool 
     cost = (costs or CostModel()).per_stage(schedule)
     duration = action_durations(cost)
     if communication == NCCL:
-        from ..runtime.lowering import nccl_program  # the runtime lowers; analysis times it
-        from .nccl_timing import time_program
-
         return time_program(nccl_program(schedule, variable_shapes), schedule, duration,
                             cost["t_comm"], peak_activations(schedule), check=False)
     t_comm, owner = cost["t_comm"], schedule.stage_to_rank

@@ -19,7 +19,7 @@ from ..analysis.render import render_html
 from ..analysis.select import MiB, format_bytes, select_schedules
 from ..schedules import REGISTRY, get_spec, schedule_names
 from .hints import warn_p_exceeds_m
-from .simulate import COSTS_HELP, add_cost_args, add_size_args, costs_from_args, describe_costs
+from .common import COSTS_HELP, add_cost_args, add_size_args, costs_from_args, describe_costs
 
 FORMATS = ("text", "json")
 

@@ -14,7 +14,7 @@ from ..analysis.simulate import CostModel, simulate
 from ..ir import ScheduleError
 from ..schedules import REGISTRY, build_schedule
 from .hints import warn_p_exceeds_m
-from .simulate import peak_line
+from .common import peak_line
 
 RANKS, MICROBATCHES = 4, 8
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from ..analysis.render import render_html
 from ..analysis.simulate import CostModel, simulate
-from .simulate import add_cost_args, costs_from_args
+from .common import add_cost_args, costs_from_args
 
 UNITS = ("s", "t")
 

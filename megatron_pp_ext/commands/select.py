@@ -10,7 +10,7 @@ from ..analysis.costs import ACTIVATION_UNIT, format_counts, format_time
 from ..analysis.select import MiB, Selection, format_bytes, parse_size, select_schedules
 from ..schedules import schedule_names
 from .hints import warn_p_exceeds_m
-from .simulate import COSTS_HELP, add_cost_args, add_size_args, costs_from_args, describe_costs
+from .common import COSTS_HELP, add_cost_args, add_size_args, costs_from_args, describe_costs
 
 FORMATS = ("text", "json")
 

@@ -2,152 +2,21 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
-from ..analysis.costs import (ACTIVATION_UNIT, MeasuredCosts, activations_in_v1_units,
-                              assume_split, format_counts, load_costs)
+from ..analysis.costs import ACTIVATION_UNIT, activations_in_v1_units
 from ..analysis.render import render_ascii, render_chrome_trace, render_html
 from ..analysis.simulate import CostModel, simulate
-from ..analysis.validate import CHANNELS
+from ..schedules.validate import CHANNELS
 from ..ir import Schedule
 from ..schedules import build_schedule, is_async_schedule, schedule_names
+from .common import (COSTS_HELP, add_cost_args, add_size_args, costs_from_args, describe_costs,
+                     peak_line)
 from .hints import warn_p_exceeds_m
 
 FORMATS = ("ascii", "json", "html", "chrome")
-
-
-def cost_value(text: str) -> float | list[float]:
-    """``2`` -> 2.0; ``1,1,2,1`` -> one cost per stage (or per rank)."""
-    try:
-        values = [float(part) for part in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a number or a comma-separated list of numbers"
-        ) from None
-    return values[0] if len(values) == 1 else values
-
-
-COSTS_HELP = (
-    "Costs are a rank's share of one microbatch: the time one rank spends on all of its layers "
-    "(one number, or a comma list with one per rank; a list with one per stage is that "
-    "stage's own time). A schedule with v chunks per rank runs actions of 1/v of it each, so "
-    "the same costs compare every schedule. --costs FILE reads them as a run measured them "
-    "(train's summary.json or trace.json), in seconds."
-)
-
-
-def add_size_args(parser, required: bool = False) -> None:
-    """-p/--ranks/--pp and -m/--microbatches, the same in every command."""
-    parser.add_argument("--ranks", "-p", "--pp", dest="ranks", type=int, metavar="P",
-                        required=required, help="pipeline size (pipeline-parallel ranks)")
-    parser.add_argument("--microbatches", "-m", type=int, metavar="M", required=required,
-                        help="microbatches per step")
-
-
-def add_cost_args(parser) -> None:
-    """The cost options of simulate, select and compare."""
-    group = parser.add_argument_group("costs", COSTS_HELP)
-    group.add_argument("--costs", metavar="FILE",
-                       help="measured per-rank costs: train's out/train/summary.json, a Chrome "
-                       "trace of a measured step (train's trace.json) or a measured timeline's "
-                       "JSON; -p and -m default to the run's")
-    group.add_argument("--assume-split", type=float, metavar="X",
-                       help="costs with only a whole backward B (a 1f1b, gpipe or interleaved "
-                       "run): assume I = X*B and W = (1-X)*B to predict the schedules that "
-                       "split it (an assumption, printed as such; without it they are refused)")
-    group.add_argument("--t-f", type=cost_value, default=None, help="forward (default 1)")
-    group.add_argument("--t-i", type=cost_value, default=None,
-                       help="input-gradient half of the backward (default 1, or the rest of "
-                       "--t-b)")
-    group.add_argument("--t-w", type=cost_value, default=None,
-                       help="weight-gradient half of the backward (default 1, or the rest of "
-                       "--t-b)")
-    group.add_argument("--t-b", type=cost_value, default=None,
-                       help="whole backward (default t_i + t_w; alone, the split schedules "
-                       "need --assume-split)")
-    group.add_argument("--t-comm", type=cost_value, default=None,
-                       help="time a message takes to arrive, any v (default 0, or as measured "
-                       "with --costs)")
-    group.add_argument("--t-overhead", type=cost_value, default=None,
-                       help="runtime cost added to every F, B and I, any v: posting its "
-                       "messages (default 0)")
-
-
-def costs_from_args(args) -> tuple[CostModel, str, MeasuredCosts | None]:
-    """(costs, their unit: "s" measured or "t" cost units, the measurement or None). With
-    --costs, fills args.ranks / args.microbatches from the run when not given, and checks
-    that -p matches the ranks the costs were measured on."""
-    given = [f"--{name.replace('_', '-')}" for name in ("t_f", "t_i", "t_w", "t_b")
-             if getattr(args, name) is not None]
-    overhead = 0.0 if args.t_overhead is None else args.t_overhead
-    if not args.costs:
-        costs = CostModel(t_f=1.0 if args.t_f is None else args.t_f, t_i=args.t_i,
-                          t_w=args.t_w, t_b=args.t_b,
-                          t_comm=0.0 if args.t_comm is None else args.t_comm,
-                          t_overhead=overhead)
-        if args.assume_split is not None:
-            costs = assume_split(costs, args.assume_split)
-        return costs, "t", None
-    if given:
-        raise ValueError(f"give --costs FILE or {', '.join(given)}, not both (--t-comm and "
-                         "--t-overhead may be added to --costs)")
-    measured = load_costs(args.costs)
-    if getattr(args, "ranks", None) is None:
-        args.ranks = measured.num_ranks
-    elif args.ranks != measured.num_ranks:
-        raise ValueError(f"{args.costs} has costs of {measured.num_ranks} pipeline ranks, not "
-                         f"-p {args.ranks}: a rank's share changes with the pipeline size "
-                         "(measure at that size, or drop -p)")
-    if getattr(args, "microbatches", None) is None and measured.num_microbatches:
-        args.microbatches = int(measured.num_microbatches)
-    costs = measured.cost_model(assume=args.assume_split, t_comm=args.t_comm,
-                                t_overhead=overhead)
-    return costs, "s", measured
-
-
-def describe_costs(costs: CostModel, unit: str, measured: MeasuredCosts | None,
-                   assume: float | None = None) -> str:
-    """The costs in words, with their unit."""
-    if measured is not None:
-        text = measured.describe(assume)
-        if costs.t_overhead:
-            text += f"\n  t_overhead = {costs.t_overhead} s per F, B and I (given)"
-        return text
-    parts = [f"t_f={_num(costs.t_f)}"]
-    if costs.t_i is not None or costs.t_b is None:
-        parts.append(f"t_i={_num(1.0 if costs.t_i is None else costs.t_i)}")
-    if costs.t_w is not None or costs.t_b is None:
-        parts.append(f"t_w={_num(1.0 if costs.t_w is None else costs.t_w)}")
-    parts.append("t_b=t_i+t_w" if costs.t_b is None else f"t_b={_num(costs.t_b)}")
-    text = (f"costs in t (cost units), a rank's share of one microbatch: {' '.join(parts)}; a "
-            f"v-chunk schedule's actions cost 1/v of it; t_comm={_num(costs.t_comm)} per "
-            "message")
-    if costs.t_overhead:
-        text += f", t_overhead={_num(costs.t_overhead)} per F, B and I"
-    if assume is not None:
-        text += f"; I and W assumed: I = {assume:g} B, W = {1 - assume:g} B (--assume-split)"
-    return text
-
-
-def _num(value) -> str:
-    if isinstance(value, (int, float)):
-        return f"{value:g}"
-    return ",".join(f"{x:g}" for x in value)
-
-
-def peak_line(timeline) -> str:
-    """The peak activations per rank, labelled with their unit (v=1 activations)."""
-    v = timeline.chunks
-    v1 = format_counts(activations_in_v1_units(timeline.peak_activations, v))
-    if v == 1:
-        return f"peak activations per rank (in v=1 units: one microbatch, all of a rank's " \
-               f"layers): {v1}"
-    return (f"peak activations per rank: {list(timeline.peak_activations)} chunk-activations "
-            f"(1/{v} of a rank's layers each) = {v1} in v=1 units (one microbatch, all of a "
-            "rank's layers)")
 
 
 def register(subparsers) -> None:
@@ -197,7 +66,7 @@ def load_schedule(path: str) -> Schedule:
         raise OSError(f"cannot read schedule file {path}: {exc.strerror or exc}") from None
     if path.endswith(".json"):
         return Schedule.from_json(text)
-    from ..runtime.user_program import load  # compute-only, or with its own P2P batches
+    from ..analysis.user_program import load  # compute-only, or with its own P2P batches
 
     return load(text, name=Path(path).stem)[0]
 
@@ -224,7 +93,7 @@ def make_schedule(args) -> Schedule:
 def nccl_program_text(schedule: Schedule) -> str:
     """The lowered program the executor posts on NCCL, after checking it (raises if it could
     hang), with a first line saying which posting it uses."""
-    from ..runtime.lowering import (MEGATRON, USER, nccl_post_ahead, nccl_posting_kind,
+    from ..analysis.lowering import (MEGATRON, USER, nccl_post_ahead, nccl_posting_kind,
                                     nccl_program)
 
     posting = nccl_posting_kind(schedule)
@@ -246,7 +115,7 @@ def run(args) -> int:
     schedule = make_schedule(args)
     warn_p_exceeds_m(schedule.num_ranks, schedule.num_microbatches)
     if args.nccl_program:
-        from ..analysis.validate import validate_schedule
+        from ..schedules.validate import validate_schedule
 
         validate_schedule(schedule)
         return _write(args, nccl_program_text(schedule).rstrip("\n"))

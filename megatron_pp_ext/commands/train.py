@@ -21,7 +21,7 @@ import argparse
 
 from ..schedules import is_schedule_file, load_schedule_file, schedule_names
 from ..train.settings import TrainSettings
-from .simulate import add_size_args
+from .common import add_size_args
 
 DEFAULTS = TrainSettings()
 

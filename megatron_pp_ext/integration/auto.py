@@ -33,12 +33,12 @@ import torch.distributed as dist
 from ..analysis.select import format_bytes, select_schedules
 from ..analysis.simulate import CostModel
 from ..ir import Schedule
+from ..schedules import candidates_by_layout
 from ..timeline import COMPUTE
 
 log = logging.getLogger("megatron_pp_ext")
 
-CANDIDATES = {"one-chunk": ("gpipe", "1f1b", "zb-h1", "zb-h2"), "v": ("zb-v", "dualpipev"),
-              "loop": ("interleaved",)}
+CANDIDATES = candidates_by_layout()  # {"one-chunk": (...), "v": (...), "loop": (...)}
 MEASURE_WITH = {"one-chunk": ("1f1b", {"split_backward": True}), "v": ("zb-v", {}),
                 "loop": ("interleaved", {})}
 

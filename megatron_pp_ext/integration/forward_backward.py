@@ -38,13 +38,13 @@ from ..runtime.errors import PipelineTimeoutError
 from ..runtime.executor import Executor, StepResult
 from ..runtime.messages import Message, incoming_messages
 from ..runtime.transport import TorchDistTransport
-from ..schedules import build_schedule, get_spec, schedule_layout
+from ..schedules import AUTO, build_schedule, get_spec, schedule_layout
 from ..timeline import Timeline
 from . import agreement
 from .auto import AutoSchedule
 from .loss_relay import needs_relay, relay_losses, share_token_count
 from .megatron_stage import GradSync, MegatronStageWork
-from .options import AUTO, PipelineOptions
+from .options import PipelineOptions
 
 
 @dataclass
@@ -89,7 +89,7 @@ class RunState:
         """This rank's lockstep posting on NCCL, or None for Megatron's fused calls; the
         lowered program is checked against NCCL's rules once per schedule and shape mode
         (ScheduleError, before any byte moves, if it could hang)."""
-        from ..runtime.lowering import nccl_posting
+        from ..analysis.lowering import nccl_posting
 
         postings = self._derived(("nccl", variable_shapes), schedule,
                                  lambda: nccl_posting(schedule, variable_shapes))
@@ -98,7 +98,7 @@ class RunState:
     def nccl_post_ahead(self, schedule: Schedule, variable_shapes: bool = False) -> bool:
         """Whether receives are posted ahead on NCCL (``lowering.nccl_post_ahead``), decided
         once per schedule and shape mode."""
-        from ..runtime.lowering import nccl_post_ahead
+        from ..analysis.lowering import nccl_post_ahead
 
         return self._derived(("ahead", variable_shapes), schedule,
                              lambda: nccl_post_ahead(schedule, variable_shapes))

@@ -48,8 +48,8 @@ import os
 from typing import Any
 
 GROUP_TITLE = "pipeline schedule (megatron-pp-ext)"
-ENV_SCHEDULE = "MEGATRON_PP_SCHEDULE"
-AUTO = "auto"
+from ..schedules import AUTO
+from .options import ENV_SCHEDULE
 
 _VP_FLAGS = "--num-virtual-stages-per-pipeline-rank / --num-layers-per-virtual-pipeline-stage"
 
@@ -77,14 +77,11 @@ _schedule_value.__name__ = "schedule"
 def resolve_schedule_value(value: str) -> str:
     """The registry's name for ``value`` (any case, or PyTorch's name), ``auto``, or, for a
     schedule file (.csv, .json), its path once it reads and validates. ValueError otherwise."""
-    from ..schedules import canonical_name, is_schedule_file, load_schedule_file
+    from ..schedules import is_schedule_file, load_schedule_file, resolve_schedule
 
     if is_schedule_file(value):
         load_schedule_file(value)  # unreadable or invalid: ScheduleError, naming the file
-        return value
-    if isinstance(value, str) and value.strip().lower() == AUTO:
-        return AUTO
-    return canonical_name(value)
+    return resolve_schedule(value)
 
 
 def _positive(kind):
@@ -417,7 +414,7 @@ def install_from_args(args: Any) -> bool:
     options = schedule_options_from_args(args)
     if options is None:
         return False
-    from .. import install  # lazily: install() patches megatron.core / megatron.training
+    from .install import install  # lazily: install() patches megatron.core / megatron.training
 
     install(**options)
     return True

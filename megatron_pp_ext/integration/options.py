@@ -4,7 +4,7 @@
 name), ``auto``, or the path of a schedule file (``.csv`` in PyTorch's compute-only format, or
 ``.json``): the file is read when the options are made, and its schedule checked then, before
 anything is patched or sent: the validator, the layout (loop or V, from its stage-to-rank
-mapping), and NCCL's rules (``runtime.lowering.nccl_posting``). Its text travels with the
+mapping), and NCCL's rules (``analysis.lowering.nccl_posting``). Its text travels with the
 options (``schedule_text``), so every process runs what was read.
 """
 
@@ -15,8 +15,9 @@ import hashlib
 import os
 from dataclasses import asdict, dataclass, fields
 
+from ..schedules import SHAPING_OPTIONS
+
 ENV_SCHEDULE = "MEGATRON_PP_SCHEDULE"
-AUTO = "auto"  # measure the first step(s), then run the fastest schedule that fits
 DEFAULT_P2P_TIMEOUT_S = 600.0
 SAFE_FRACTION = 0.45  # of the process group's timeout, for each of the plugin's timeouts
 
@@ -55,17 +56,15 @@ class PipelineOptions:
     run_ahead: bool = False
 
     def __post_init__(self):
-        from ..schedules import SHAPING_OPTIONS, canonical_name, is_schedule_file, takes_option
+        from ..schedules import is_schedule_file, resolve_schedule, takes_option
 
         if is_schedule_file(self.schedule):
             self._check_schedule_file()
         elif self.schedule_text is not None:
             raise ValueError(f"schedule_text is the text of a schedule file: give the file's "
                              f"path (.csv or .json) as the schedule, not {self.schedule!r}")
-        elif isinstance(self.schedule, str) and self.schedule.strip().lower() == AUTO:
-            object.__setattr__(self, "schedule", AUTO)
         else:  # unknown names fail here, with the closest suggested
-            object.__setattr__(self, "schedule", canonical_name(self.schedule))
+            object.__setattr__(self, "schedule", resolve_schedule(self.schedule))
         for name in ("p2p_timeout_s", "first_step_timeout_s"):
             value = getattr(self, name)
             if value is not None and value <= 0:
@@ -76,9 +75,8 @@ class PipelineOptions:
             raise ValueError(f"auto_measure_steps={self.auto_measure_steps} must be >= 1")
         if self.max_pending_backward is not None and self.max_pending_backward < 1:
             raise ValueError(f"max_pending_backward={self.max_pending_backward} must be >= 1")
-        for option in ("max_pending_backward", "microbatch_group_size_per_vp_stage",
-                       "warmup_forwards"):  # auto refuses them too: it switches schedules
-            value = getattr(self, option)
+        for option, value in self.builder_options().items():
+            # auto refuses them too: it switches schedules
             if value is not None and not takes_option(self.schedule, option):
                 takers = SHAPING_OPTIONS[option]
                 raise ValueError(
@@ -108,9 +106,7 @@ class PipelineOptions:
         if self.schedule_text is None:
             object.__setattr__(self, "schedule_text", read_schedule_file(self.schedule))
         schedule = self.file_schedule()
-        builder_only = [name for name in ("max_pending_backward", "warmup_forwards",
-                                          "microbatch_group_size_per_vp_stage")
-                        if getattr(self, name) is not None]
+        builder_only = list(self.builder_options())
         if builder_only:
             raise ValueError(
                 f"{', '.join(builder_only)} shape a built schedule, but the schedule file "
@@ -147,14 +143,10 @@ class PipelineOptions:
 
     def builder_options(self) -> dict:
         """What the schedule builder takes (beyond p, m, v)."""
-        options = {}
-        if self.max_pending_backward is not None:
-            options["max_pending_backward"] = self.max_pending_backward
-        if self.microbatch_group_size_per_vp_stage is not None:
-            options["microbatch_group_size_per_vp_stage"] = self.microbatch_group_size_per_vp_stage
-        if self.warmup_forwards is not None:
-            options["warmup_forwards"] = self.warmup_forwards
-        return options
+        # the registry's shaping options that are fields here (match_dualpipe is offered by
+        # the builder's Python API only)
+        return {option: getattr(self, option) for option in SHAPING_OPTIONS
+                if getattr(self, option, None) is not None}
 
     def to_dict(self) -> dict:
         """The options as plain values; a schedule file's text as its SHA-256 (16 hex digits),
@@ -179,11 +171,11 @@ class PipelineOptions:
 @functools.lru_cache(maxsize=32)
 def _checked_file_schedule(text: str, path: str, forward_only: bool):
     """Parse and validate a schedule file (``schedules.parse_schedule_file``), then check that
-    the executor's P2P program for it passes NCCL's rules (``runtime.lowering.nccl_posting``:
+    the executor's P2P program for it passes NCCL's rules (``analysis.lowering.nccl_posting``:
     Megatron's fused calls, else one batch per round); raises ``ScheduleError`` naming the
     file otherwise. Cached per text: the same ``Schedule`` object each time."""
     from ..ir import ScheduleError
-    from ..runtime.lowering import nccl_posting
+    from ..analysis.lowering import nccl_posting
     from ..schedules import parse_schedule_file
 
     schedule = parse_schedule_file(text, path, forward_only)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 
 from ..analysis.simulate import CostModel, simulate
-from ..analysis.validate import peak_activations
+from ..schedules.validate import peak_activations
 from ..ir import BACKWARD, BACKWARD_INPUT, FORWARD, Schedule
 
 

@@ -59,7 +59,7 @@ from fractions import Fraction
 from typing import Any, Sequence
 
 from ..analysis.simulate import CostModel, simulate
-from ..analysis.validate import peak_activations
+from ..schedules.validate import peak_activations
 from ..ir import Schedule
 from ..timeline import Timeline
 

@@ -7,7 +7,7 @@ own part of step k is done, without waiting for the other ranks' grad norm and f
 flag and the grad norm over the model-parallel group (pipeline ranks included) and steps the
 learning-rate scheduler on the result, so every rank waits there for the last one.
 
-Each call does, with ``post_validation.RunAhead``:
+Each call does, with :class:`RunAhead` (below, usable in a loop of your own):
 
 1. step k's forward-backward on the optimistic weights of step k-1 (DDP's grad buffers zeroed
    without settling; the microbatches recorded);
@@ -36,7 +36,7 @@ from typing import Any, Optional
 
 import torch
 
-from .post_validation import RunAhead
+from .post_validation import StepOutcome, post_validated
 
 REPORTS_KEPT = 1000
 
@@ -281,3 +281,111 @@ class RunAheadTrainStep:
         self._unreported -= 1
         return (report.loss, report.skipped, should_checkpoint, should_exit, exit_code,
                 report.grad_norm, report.num_zeros_in_grad, 0)
+
+
+# --------------------------------------------------------------------------------------------
+# Running ahead: the next step on the optimistic weights, replayed when validation fails
+# --------------------------------------------------------------------------------------------
+
+
+class _Recording:
+    """An iterator that keeps what it hands out, so the step can be replayed."""
+
+    def __init__(self, iterator):
+        self.iterator, self.items = iterator, []
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        item = next(self.iterator)
+        self.items.append(item)
+        return item
+
+
+def _record(data_iterator):
+    if isinstance(data_iterator, list):
+        return [_record(it) for it in data_iterator]
+    return None if data_iterator is None else _Recording(data_iterator)
+
+
+def _replay(recorded):
+    if isinstance(recorded, list):
+        return [_replay(r) for r in recorded]
+    return None if recorded is None else iter(list(recorded.items))
+
+
+class RunAhead:
+    """A training loop whose ranks start step k+1 before step k is validated, still
+    bit-identical to Megatron's synchronous loop.
+
+    Each step: :meth:`forward_backward` runs the step on the optimistic weights of the previous
+    step (every rank starts as soon as its own previous step is done: nothing waits for the
+    other ranks' gradients), *then* settles the previous step (its reductions have long
+    arrived). When the previous step was rolled back (inf, clipped, skipped) or its loss-scale
+    update changed the scale this step's loss was scaled with, the step's gradients are
+    discarded and it runs again on the settled weights with the same microbatches (recorded
+    from ``data_iterator``): a *replay*, one more forward-backward. :meth:`optimizer_step` then
+    starts this step's post-validated optimizer step. Memory: the post-validated snapshot plus
+    a copy of the main gradients (4 bytes per main parameter), since this step's backward
+    writes into them before the previous step may need them for its clipped redo.
+
+    ::
+
+        run = RunAhead(optimizer, model_chunks)
+        for batch_iterator in data:
+            output, previous, replayed = run.forward_backward(
+                forward_backward_func, batch_iterator, num_microbatches=m, seq_length=s,
+                micro_batch_size=b, forward_step_func=forward_step)
+            run.optimizer_step()
+        last = run.finish()
+
+    Use it in a loop of your own: Megatron-LM's ``train_step`` reads each step's result
+    right after ``optimizer.step()`` and cannot run ahead. It calls DDP's
+    ``zero_grad_buffer()`` itself; do not call ``optimizer.zero_grad()`` in between (it
+    settles)."""
+
+    def __init__(self, optimizer, model):
+        self.optimizer = post_validated(optimizer)
+        object.__setattr__(self.optimizer, "run_ahead", True)
+        self.model = list(model) if isinstance(model, (list, tuple)) else [model]
+        self.replays = 0
+
+    def _zero_grad_buffers(self) -> None:
+        """What ``optimizer.zero_grad()`` and DDP's ``zero_grad_buffer()`` do for the model
+        before a step, without settling: DDP's buffers zeroed, ``param.grad`` dropped (the
+        FP32 optimizer points it at the buffer; autograd would accumulate into it). The main
+        gradients a pending step may still need are in its snapshot."""
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
+            for param in chunk.parameters():
+                param.grad = None
+
+    def forward_backward(self, forward_backward_func, data_iterator, **kwargs):
+        """This step's forward-backward (``forward_backward_func(data_iterator=...,
+        model=..., **kwargs)``), run ahead; returns (its output, the previous step's
+        :class:`StepOutcome` or None, whether the step was replayed)."""
+        optimizer = self.optimizer
+        scale_used = optimizer._loss_scale()
+        model = self.model if len(self.model) > 1 else self.model[0]
+        self._zero_grad_buffers()
+        recorded = _record(data_iterator)
+        output = forward_backward_func(data_iterator=recorded, model=model, **kwargs)
+        outcome = optimizer.settle()
+        scale_now = optimizer._loss_scale()
+        scale_changed = scale_used is not None and not torch.equal(scale_used, scale_now)
+        replayed = outcome is not None and (outcome.rolled_back or scale_changed)
+        if replayed:
+            self.replays += 1
+            self._zero_grad_buffers()
+            output = forward_backward_func(data_iterator=_replay(recorded), model=model,
+                                           **kwargs)
+        return output, outcome, replayed
+
+    def optimizer_step(self) -> None:
+        """This step's optimizer step, post-validated (returns without waiting)."""
+        self.optimizer.begin_step()
+
+    def finish(self) -> Optional[StepOutcome]:
+        """Settle the last step (at the end of training, before saving)."""
+        return self.optimizer.settle()

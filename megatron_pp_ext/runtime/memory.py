@@ -234,7 +234,7 @@ class ActivationMemory:
 
 # ---------------------------------------------------------------------- prediction in bytes
 def predicted_peak_bytes(schedule: Schedule, bytes_per_stage: Mapping[int, float]) -> list[int]:
-    """Per rank, the simulator's held-activation walk (``analysis.validate.activation_trace``)
+    """Per rank, the simulator's held-activation walk (``schedules.validate.activation_trace``)
     in bytes: + the stage's bytes at the end of an F, - at the end of the B or W that frees
     it. ``bytes_per_stage``: one F's saved bytes for each stage (one chunk: a chunk-activation
     is 1/v of a rank's layers, so each stage brings its own)."""
@@ -252,23 +252,3 @@ def predicted_peak_bytes(schedule: Schedule, bytes_per_stage: Mapping[int, float
             peak = max(peak, held)
         peaks.append(int(round(peak)))
     return peaks
-
-
-def format_bytes_iec(value: float | None) -> str:
-    """Bytes with a binary unit (B, KiB, MiB, GiB, TiB)."""
-    if value is None:
-        return "-"
-    size = float(value)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(size) < 1024 or unit == "GiB":
-            break
-        size /= 1024
-    else:  # pragma: no cover
-        unit = "GiB"
-    if unit == "B":
-        return f"{int(value)} B"
-    return f"{size:.1f} {unit}" if size < 100 else f"{size:.0f} {unit}"
-
-
-def format_bytes_list(values) -> str:
-    return "[" + ", ".join(format_bytes_iec(v) for v in values) + "]"

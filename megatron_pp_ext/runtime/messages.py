@@ -1,96 +1,31 @@
-"""The messages an action list implies, and the inbox that receives them in each sender's
-order.
-
-Communication is derived from the action list (the same rule the validator checks): an F on
-stage s receives from the rank of stage s-1 and sends to the rank of stage s+1; a B or I
-receives from the rank of stage s+1 and sends to the rank of stage s-1; W moves nothing.
-Stages on the same rank hand tensors over locally (no message).
-"""
+"""The inbox that receives the messages an action list implies (``analysis.messages``) in
+each sender's order."""
 
 from __future__ import annotations
 
 import collections
-from dataclasses import dataclass
 
 import torch
 
-from ..ir import BACKWARD_WEIGHT, FORWARD, Schedule
+from ..analysis.messages import (  # the message vocabulary, read from here too
+    ACTIVATION,
+    GRADIENT,
+    MEGATRON_TIMERS,
+    CommPlan,
+    LockstepPosting,
+    Message,
+    call_name,
+    comm_plan,
+    incoming_messages,
+    lockstep_posting,
+    lockstep_postings,
+    lockstep_rounds,
+    sent_to_each_rank,
+)
 
-ACTIVATION, GRADIENT = "forward", "backward"  # what a message carries, in Megatron's words
-
-
-@dataclass(frozen=True)
-class Message:
-    peer: int
-    carries: str  # ACTIVATION or GRADIENT
-    stage: int  # the stage that consumes it
-    microbatch: int
-
-
-@dataclass
-class CommPlan:
-    recv: Message | None  # what this action needs from another rank first
-    send: Message | None  # what it produces for another rank
-
-
-def comm_plan(schedule: Schedule, rank: int) -> list[CommPlan]:
-    last = schedule.num_stages - 1
-    plans = []
-    for action in schedule.actions[rank]:
-        s, mb = action.stage, action.microbatch
-        recv = send = None
-        if action.kind == FORWARD:
-            if s > 0 and schedule.rank_of(s - 1) != rank:
-                recv = Message(schedule.rank_of(s - 1), ACTIVATION, s, mb)
-            if s < last and schedule.rank_of(s + 1) != rank:
-                send = Message(schedule.rank_of(s + 1), ACTIVATION, s + 1, mb)
-        elif action.kind != BACKWARD_WEIGHT:
-            if s < last and schedule.rank_of(s + 1) != rank:
-                recv = Message(schedule.rank_of(s + 1), GRADIENT, s, mb)
-            if s > 0 and schedule.rank_of(s - 1) != rank:
-                send = Message(schedule.rank_of(s - 1), GRADIENT, s - 1, mb)
-        plans.append(CommPlan(recv, send))
-    return plans
-
-
-#: Megatron's P2PCommunicator timer for each of its calls (config.timers, log_level 2)
-MEGATRON_TIMERS = {
-    "send_forward": "forward-send", "recv_forward": "forward-recv",
-    "send_backward": "backward-send", "recv_backward": "backward-recv",
-    "send_forward_recv_backward": "forward-send-backward-recv",
-    "send_backward_recv_forward": "backward-send-forward-recv",
-    "send_forward_recv_forward": "forward-send-forward-recv",
-    "send_backward_recv_backward": "backward-send-backward-recv",
-}
-
-
-def call_name(send: Message | None, *recvs: Message) -> str:
-    """Megatron's name for a send and/or receive issued together (one batch)."""
-    parts = []
-    if send is not None:
-        parts.append(f"send_{send.carries}")
-    parts.extend(f"recv_{recv.carries}" for recv in recvs)
-    return "_".join(parts)
-
-
-def incoming_messages(schedule: Schedule, rank: int) -> dict[int, list[Message]]:
-    """Per peer, the messages it sends to ``rank``, in the order it sends them."""
-    return sent_to_each_rank(schedule)[rank]
-
-
-def sent_to_each_rank(schedule: Schedule,
-                      rounds: list[list[int]] | None = None) -> list[dict[int, list]]:
-    """For every rank, per peer, the messages that peer sends it in sending order (one pass
-    over every rank's plan); with ``rounds``, each as (round of its producer, message)."""
-    incoming: list[dict[int, list]] = [collections.defaultdict(list)
-                                       for _ in range(schedule.num_ranks)]
-    for peer in range(schedule.num_ranks):
-        for i, plan in enumerate(comm_plan(schedule, peer)):
-            if plan.send is not None:
-                message = Message(peer, plan.send.carries, plan.send.stage, plan.send.microbatch)
-                item = message if rounds is None else (rounds[peer][i], message)
-                incoming[plan.send.peer][peer].append(item)
-    return [dict(per_peer) for per_peer in incoming]
+__all__ = ["ACTIVATION", "GRADIENT", "MEGATRON_TIMERS", "CommPlan", "Inbox", "LockstepPosting",
+           "Message", "call_name", "comm_plan", "incoming_messages", "lockstep_posting",
+           "lockstep_postings", "lockstep_rounds", "sent_to_each_rank"]
 
 
 class Inbox:
@@ -138,66 +73,3 @@ class Inbox:
         from .memory import unique_bytes
 
         return unique_bytes(self.stash.values())
-
-
-@dataclass
-class LockstepPosting:
-    """When one rank posts which receives in a lockstep program (see ``lockstep_posting``):
-    ``after[i]``: the receives posted in one batch with action i's send; ``before[i]``:
-    receive-only batches posted before action i, one per round the rank sits idle."""
-
-    after: dict[int, list[Message]]
-    before: dict[int, list[list[Message]]]
-
-
-def lockstep_rounds(schedule: Schedule) -> list[list[int]]:
-    """Per rank, the round of each action: its start when every action takes one round and
-    a message arrives for the next round (a unit-cost run). A rank's rounds increase along
-    its list, and a message's consumer runs in a later round than its producer."""
-    from ..analysis.validate import execute_in_order
-
-    free = [0] * schedule.num_ranks
-    rounds: list[list[int]] = [[] for _ in range(schedule.num_ranks)]
-
-    def run(rank, action, dependency, ready_at):
-        start = max(free[rank], ready_at or 0)
-        rounds[rank].append(start)
-        free[rank] = start + 1
-        return start + 1
-
-    execute_in_order(schedule, run)
-    return rounds
-
-
-def lockstep_posting(schedule: Schedule, rank: int,
-                     rounds: list[list[int]] | None = None) -> LockstepPosting:
-    """Every message is sent and received in the batches of the round its producer ran in,
-    and every rank posts its batches in round order: round t's batches only hold ops whose
-    partners sit in the partners' round-t batches, so under NCCL's rules (rendezvous, one
-    stream of batches per rank) round t completes once every rank has reached it, and no
-    rank needs anything of round t or later to get there. Deadlock-free by induction."""
-    return lockstep_postings(schedule, rounds)[rank]
-
-
-def lockstep_postings(schedule: Schedule,
-                      rounds: list[list[int]] | None = None) -> list[LockstepPosting]:
-    """``lockstep_posting`` of every rank, from one pass over the plans."""
-    rounds = rounds or lockstep_rounds(schedule)
-    return [_posting(rounds[rank], per_peer)
-            for rank, per_peer in enumerate(sent_to_each_rank(schedule, rounds))]
-
-
-def _posting(mine: list[int], per_peer: dict[int, list]) -> LockstepPosting:
-    by_round: dict[int, list[Message]] = collections.defaultdict(list)
-    for items in per_peer.values():
-        for produced_in, message in items:
-            by_round[produced_in].append(message)
-    after, before = {}, {}
-    for i, t in enumerate(mine):
-        earlier = mine[i - 1] if i else -1
-        idle = [by_round[r] for r in range(earlier + 1, t) if by_round.get(r)]
-        if idle:
-            before[i] = idle
-        if by_round.get(t):
-            after[i] = by_round[t]
-    return LockstepPosting(after, before)

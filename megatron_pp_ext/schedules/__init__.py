@@ -18,12 +18,14 @@ from pathlib import Path
 from typing import Callable
 
 from ..ir import FORWARD, Schedule, ScheduleError
+from ..program import load as load_with_program
 from ._common import loop_placement, v_placement
 from .dualpipev import build_dualpipev
 from .gpipe import build_gpipe
 from .interleaved import build_interleaved
 from .one_f_one_b import build_1f1b
 from .pipedream import PIPEDREAM, PIPEDREAM_2BW, build_pipedream, build_pipedream_2bw
+from .validate import validate_schedule
 from .zero_bubble import build_zb_h1, build_zb_h2
 from .zb_v import build_zb_v
 
@@ -124,7 +126,6 @@ def build_async_schedule(name: str, num_ranks: int, num_microbatches: int, steps
                             f"{', '.join(ASYNC_REGISTRY)}")
     schedule = ASYNC_REGISTRY[key](num_ranks, num_microbatches, steps=steps, **options)
     if validate:
-        from ..analysis.validate import validate_schedule
         from .pipedream import plan_versions
 
         validate_schedule(schedule)
@@ -185,6 +186,35 @@ def get_spec(name: str) -> ScheduleSpec:
 # --------------------------------------------------------------------------------------------
 
 
+#: not a schedule: measure the first step(s), then run the fastest registered one that fits
+AUTO = "auto"
+
+
+def resolve_schedule(value, asynchronous: bool = False) -> str:
+    """The one reading of a schedule value (``--pipeline-schedule``, ``install(schedule=)``,
+    ``train --schedule``): a schedule file's path as given, ``auto``, an asynchronous
+    schedule's name (``asynchronous=True``: ``train`` runs them), else the registry's name
+    (any case, or PyTorch's name). Unknown names raise ``ScheduleError`` with the closest one
+    suggested."""
+    if is_schedule_file(value):
+        return value
+    if isinstance(value, str) and value.strip().lower() == AUTO:
+        return AUTO
+    if asynchronous and is_async_schedule(value):
+        return value.strip().lower()
+    return canonical_name(value)
+
+
+def candidates_by_layout() -> dict[str, tuple[str, ...]]:
+    """The registered schedules by how a model is chunked for them: ``one-chunk`` (the loop
+    layout, one chunk per rank), ``loop`` (several chunks per rank: interleaved) and ``v``."""
+    out: dict[str, list[str]] = {"one-chunk": [], "v": [], "loop": []}
+    for spec in REGISTRY.values():
+        key = "v" if spec.layout == "v" else ("one-chunk" if spec.allowed_chunks(1) else "loop")
+        out[key].append(spec.name)
+    return {key: tuple(names) for key, names in out.items()}
+
+
 def is_schedule_file(name) -> bool:
     """Whether ``name`` names a schedule file rather than a schedule (``.csv`` or ``.json``)."""
     return isinstance(name, str) and name.strip().lower().endswith(SCHEDULE_FILE_SUFFIXES)
@@ -214,8 +244,6 @@ def parse_schedule_file(text: str, path: str, forward_only: bool = False) -> Sch
     and checked that it can run: every rank holds its stages in the loop or the V layout (the
     ones a model can be built for). ``forward_only``: the run Megatron makes for evaluation,
     each rank's forwards in the file's order. Cached: the same object for the same text."""
-    from ..analysis.validate import validate_schedule
-
     if forward_only:
         full = parse_schedule_file(text, path)
         only = Schedule(full.name, full.num_microbatches, full.stage_to_rank,
@@ -228,10 +256,8 @@ def parse_schedule_file(text: str, path: str, forward_only: bool = False) -> Sch
     try:
         if path.strip().lower().endswith(".json"):
             schedule = Schedule.from_json(text)
-        else:  # with its own P2P communication or without (runtime.user_program)
-            from ..runtime.user_program import load
-
-            schedule, _ = load(text, name=name)
+        else:  # with its own P2P communication or without (program.load)
+            schedule, _ = load_with_program(text, name=name)
     except ScheduleError as exc:
         raise ScheduleError(f"schedule file {path}: {exc}") from None
     if schedule.options.get("weight_update"):
@@ -297,7 +323,5 @@ def build_schedule(name: str, num_ranks: int, num_microbatches: int, chunks: int
         )
     schedule = spec.builder(num_ranks, num_microbatches, chunks=chunks, **options)
     if validate:
-        from ..analysis.validate import validate_schedule
-
         validate_schedule(schedule)
     return schedule

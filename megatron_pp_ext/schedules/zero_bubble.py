@@ -19,7 +19,7 @@ rule holds), and the lists come from an execution in which every action ran afte
 Memory is counted per microbatch on a rank in two ways: its *full activation* is held from the
 end of its F to the end of its I (what 1F1B holds until its B), and what its W still needs
 (inputs and output gradients of the linear layers, smaller) from the end of its I to the end of
-its W. The project's activation count (``analysis.validate.activation_trace``, the
+its W. The project's activation count (``schedules.validate.activation_trace``, the
 simulator's ``Timeline.peak_activations``) runs from the end of the F to the end of the W, so
 it includes both.
 

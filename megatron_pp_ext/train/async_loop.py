@@ -20,6 +20,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from .launcher import detect, run_launched, run_local
 from .quiet import hide_megatron_warnings
 from .settings import TrainSettings
 
@@ -220,8 +221,6 @@ def _timelines(schedule, gathered: list[dict]):
 
 def run(settings: TrainSettings) -> int:
     """Local gloo processes (under torchrun / srun: one process per pipeline rank, dp = 1)."""
-    from .launcher import detect, run_local
-
     hide_megatron_warnings()
     launch = detect()
     if launch.kind != "local":
@@ -230,29 +229,10 @@ def run(settings: TrainSettings) -> int:
 
 
 def _run_launched(settings: TrainSettings, launch) -> int:
-    import datetime
-    import os
-
     if launch.world_size != settings.pp:
         if launch.rank == 0:
             raise ValueError(
                 f"{settings.schedule} runs one pipeline (no data parallelism): start "
                 f"{settings.pp} processes, not {launch.world_size}")
         return 2
-    os.environ.update(RANK=str(launch.rank), WORLD_SIZE=str(launch.world_size),
-                      LOCAL_RANK=str(launch.local_rank))
-    if launch.master_addr:
-        os.environ["MASTER_ADDR"] = launch.master_addr
-    if launch.master_port:
-        os.environ["MASTER_PORT"] = launch.master_port
-    dist.init_process_group("gloo", init_method="env://", rank=launch.rank,
-                            world_size=launch.world_size,
-                            timeout=datetime.timedelta(seconds=settings.run_timeout_s))
-    try:
-        async_train_rank(launch.rank, launch.world_size, settings, launcher=launch.kind)
-    finally:
-        from .processes import destroy
-
-        destroy()
-        dist.destroy_process_group()
-    return 0
+    return run_launched(settings, launch, async_train_rank, backend="gloo")

@@ -113,11 +113,21 @@ def run_local(settings: TrainSettings, target=None) -> int:
 
 
 def _run_launched(settings: TrainSettings, launch: Launch) -> int:
+    from .loop import train_rank
+
+    return run_launched(settings, launch, train_rank)
+
+
+def run_launched(settings: TrainSettings, launch: Launch, target, backend: str | None = None) -> int:
+    """Run ``target(rank, world_size, settings, launcher=...)`` in this process, one rank of a
+    torchrun / srun launch: the process group from the launcher's environment, destroyed after.
+    ``backend`` None: the device's (NCCL on GPUs, bound to the local rank's GPU and passed to
+    ``target`` as ``device``; else gloo with OMP_NUM_THREADS intra-op threads); a backend
+    given (the asynchronous path's gloo) is used as it is."""
     import torch.distributed as dist
 
     from .. import device as device_helper
     from .processes import destroy
-    from .loop import train_rank
 
     os.environ.update(RANK=str(launch.rank), WORLD_SIZE=str(launch.world_size),
                       LOCAL_RANK=str(launch.local_rank))
@@ -125,17 +135,19 @@ def _run_launched(settings: TrainSettings, launch: Launch) -> int:
         os.environ["MASTER_ADDR"] = launch.master_addr
     if launch.master_port:
         os.environ["MASTER_PORT"] = launch.master_port
-    backend = device_helper.launcher_backend()
-    device = device_helper.bind_local_device(launch.local_rank, backend)
-    if backend == "gloo":
-        import torch
+    extra = {}
+    if backend is None:
+        backend = device_helper.launcher_backend()
+        extra["device"] = device_helper.bind_local_device(launch.local_rank, backend)
+        if backend == "gloo":
+            import torch
 
-        torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+            torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     dist.init_process_group(backend, init_method="env://", rank=launch.rank,
                             world_size=launch.world_size,
                             timeout=datetime.timedelta(seconds=settings.run_timeout_s))
     try:
-        train_rank(launch.rank, launch.world_size, settings, launcher=launch.kind, device=device)
+        target(launch.rank, launch.world_size, settings, launcher=launch.kind, **extra)
     finally:
         destroy()
         dist.destroy_process_group()

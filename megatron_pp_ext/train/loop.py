@@ -47,7 +47,7 @@ def train_rank(rank: int, world_size: int, settings: TrainSettings, launcher: st
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 
-    import megatron_pp_ext
+    from megatron_pp_ext.integration.install import install
     from megatron_pp_ext.models.tiny_gpt import forward_step_func
 
     # Megatron-Core 0.19.2 logs that GPTModel is deprecated in favour of HybridModel: known.
@@ -63,7 +63,7 @@ def train_rank(rank: int, world_size: int, settings: TrainSettings, launcher: st
     dp_size = parallel_state.get_data_parallel_world_size()
     dp_rank = parallel_state.get_data_parallel_rank()
     last_pipeline_rank = pp_group.rank() == pp_group.size() - 1
-    installation = megatron_pp_ext.install(schedule=settings.schedule, trace=settings.trace,
+    installation = install(schedule=settings.schedule, trace=settings.trace,
                                            p2p_timeout_s=settings.p2p_timeout_s,
                                            memory=True)  # activation bytes on every step
     state = installation.state

@@ -26,7 +26,7 @@ def format_step(step: int, steps: int, loss: float, seconds: float, bubble: floa
             text += f" (predicted {100 * predicted:4.1f}%)"
         parts.append(text)
     if peak_bytes is not None and any(b is not None for b in peak_bytes):
-        from ..runtime.memory import format_bytes_list
+        from ..units import format_bytes_list
 
         parts.append(f"peak activations (count) {peaks}")
         parts.append(f"activation memory {format_bytes_list(peak_bytes)}")

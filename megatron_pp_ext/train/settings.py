@@ -9,16 +9,16 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from ..integration.options import AUTO
 from ..ir import Schedule, ScheduleError
 from ..schedules import (
+    AUTO,
     build_schedule,
     build_async_schedule,
-    canonical_name,
     get_spec,
     is_async_schedule,
     is_schedule_file,
     load_schedule_file,
+    resolve_schedule,
     schedule_layout,
 )
 
@@ -48,17 +48,13 @@ class TrainSettings:
     vertical_sync: bool = False  # pipedream only: every stage uses the entry version
 
     def __post_init__(self):
-        # names in any case, or PyTorch's, as the registry's (unknown ones: check() says so)
-        if isinstance(self.schedule, str) and not is_schedule_file(self.schedule):
-            if is_async_schedule(self.schedule):  # pipedream, pipedream-2bw: train.async_loop
-                object.__setattr__(self, "schedule", self.schedule.strip().lower())
-            elif self.schedule.strip().lower() == AUTO:
-                object.__setattr__(self, "schedule", AUTO)
-            else:
-                try:
-                    object.__setattr__(self, "schedule", canonical_name(self.schedule))
-                except ScheduleError:
-                    pass
+        # names in any case, or PyTorch's, as the registry's; pipedream and pipedream-2bw
+        # (train.async_loop) too; unknown ones are left for check() to refuse
+        try:
+            object.__setattr__(self, "schedule",
+                               resolve_schedule(self.schedule, asynchronous=True))
+        except ScheduleError:
+            pass
 
     # ---- derived
     @property

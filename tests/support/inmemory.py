@@ -12,7 +12,7 @@ from support.emulated import (
 )
 from megatron_pp_ext.runtime.executor import Executor
 from megatron_pp_ext.runtime.inmemory import run_ranks_in_threads
-from megatron_pp_ext.runtime.lowering import nccl_post_ahead, nccl_posting
+from megatron_pp_ext.analysis.lowering import nccl_post_ahead, nccl_posting
 from support.nccl_fabric import NcclRulesFabric
 
 WIDTH, ROWS = 6, 3

@@ -128,7 +128,8 @@ def run_post_validation(rank: int, world_size: int, pp: int = 2, precision: str 
     from megatron.core import parallel_state
 
     from megatron_pp_ext.integration.forward_backward import ScheduleFunction
-    from megatron_pp_ext.integration.post_validation import PostValidatedOptimizer, RunAhead
+    from megatron_pp_ext.integration.post_validation import PostValidatedOptimizer
+    from megatron_pp_ext.integration.run_ahead_step import RunAhead
     from megatron_pp_ext.train.processes import init_megatron
 
     _patch_for_cpu()

@@ -1,134 +1,21 @@
 """Lower a schedule into the P2P program the executor runs on NCCL: per rank, the batches it
-posts (each of Megatron's fused calls is one ``batch_isend_irecv``) and where it waits on them.
-
-The program is read off the executor itself: each rank's executor runs once against a
-recording transport on its NCCL code path (batched, no receive posted ahead), with work that
-computes nothing. What the executor posts and waits on depends only on the action lists (the
-inbox follows each sender's order; no decision reads a clock or a message's arrival), so this
-dry run is exactly what the real run will post, and ``analysis.nccl_rules`` can check it
-before any rank sends a byte.
+posts (each of Megatron's fused calls is one ``batch_isend_irecv``) and where it waits on them
+(``analysis.program_pass``, from the action lists alone), and choose the posting: a schedule
+file's own program, else Megatron's fused calls where NCCL's rules allow them, else lockstep
+rounds; receives posted ahead where that is proven and never slower. ``check_nccl_rules``
+checks the chosen program before any rank sends a byte.
 """
 
 from __future__ import annotations
 
-import torch
-
-from ..analysis.nccl_rules import (
-    RECV,
-    SEND,
-    Batch,
-    Compute,
-    P2POp,
-    Post,
-    Program,
-    Wait,
-    check_nccl_rules,
-)
 from ..ir import Schedule, ScheduleError
-from .executor import Executor
-from .messages import Message, call_name, lockstep_postings, sent_to_each_rank
-
-_TOKEN = torch.zeros(1)
-
-
-def _label(message: Message) -> str:
-    kind = "F" if message.carries == "forward" else "B"
-    return f"{message.carries} {message.stage}{kind}{message.microbatch}"
-
-
-def _torch_name(message: Message, kind: str) -> str:
-    """torch.distributed.pipelining's name of one side: SEND_F/SEND_B name the sending
-    stage, RECV_F/RECV_B the receiving one (``message.stage`` is the receiving stage)."""
-    forward = message.carries == "forward"
-    stage = message.stage
-    if kind == SEND:
-        stage += -1 if forward else 1
-    return f"{stage}{kind.upper()}_{'F' if forward else 'B'}{message.microbatch}"
-
-
-class _Handle:
-    def __init__(self, recorder: "_Recorder", batch: int, tensor=None):
-        self.recorder, self.batch, self.tensor = recorder, batch, tensor
-
-    def done(self) -> bool:  # never "already done": the executor then waits where it must
-        return False
-
-    def wait(self, timeout_s: float, poll: bool = False):
-        self.recorder.steps.append(Wait(self.batch))
-        return self.tensor
-
-
-class _Recorder:
-    """A transport on its NCCL code path that records instead of communicating."""
-
-    poll = True  # NCCL: waits are polled, nothing is posted ahead
-    prefetch_receives = False
-    device = torch.device("cpu")
-
-    def __init__(self, rank: int):
-        self.rank, self.steps, self.batches = rank, [], 0
-        self.labels: tuple = (None, None)  # (send message, receive message) of the next call
-
-    def exchange(self, send, recv, variable_shapes: bool):
-        send_handle, recv_handles = self.exchange_many(
-            send, [recv] if recv is not None else [], variable_shapes)
-        return send_handle, (recv_handles[0] if recv_handles else None)
-
-    def exchange_many(self, send, recvs, variable_shapes: bool):
-        send_message, recv_messages = self.labels
-        name = call_name(send_message if send is not None else None, *recv_messages)
-        if variable_shapes:
-            # The transport's NCCL path: the shape headers in a batch of their own, waited
-            # on (inside the call) before the payload batch is posted.
-            header = self._post(self._ops(send, recvs, "shape of "), f"{name} (shapes)")
-            self.steps.append(Wait(header, "the shape headers"))
-        index = self._post(self._ops(send, recvs), name)
-        return (_Handle(self, index) if send is not None else None,
-                [_Handle(self, index, _TOKEN.clone()) for _ in recvs])
-
-    def _ops(self, send, recvs, what: str = "") -> list[P2POp]:
-        send_message, recv_messages = self.labels
-        ops = []
-        if send is not None:
-            ops.append(P2POp(SEND, send[1], what + _label(send_message),
-                             ("HEADER_" if what else "") + _torch_name(send_message, SEND)))
-        ops.extend(P2POp(RECV, request.peer, what + _label(message),
-                         ("HEADER_" if what else "") + _torch_name(message, RECV))
-                   for request, message in zip(recvs, recv_messages))
-        return ops
-
-    def _post(self, ops: list[P2POp], call: str) -> int:
-        index = self.batches
-        self.batches += 1
-        self.steps.append(Post(Batch(self.rank, index, ops, call)))
-        return index
-
-
-class _NoWork:
-    def __init__(self, recorder: _Recorder):
-        self.recorder = recorder
-
-    def forward(self, action, input_tensor):
-        self.recorder.steps.append(Compute(str(action)))
-        return _TOKEN.clone()
-
-    def backward(self, action, output_grad):
-        self.recorder.steps.append(Compute(str(action)))
-        return _TOKEN.clone()
-
-    def weight(self, action):
-        self.recorder.steps.append(Compute(str(action)))
-        return None
-
-    def deallocate(self, output) -> None:
-        return None
-
-
-class _LabellingExecutor(Executor):
-    def _post(self, send, send_message, recvs, time_post_only: bool = False):
-        self.transport.labels = (send_message, list(recvs))
-        return super()._post(send, send_message, recvs, time_post_only)
-
+from ..program import Program
+from .messages import lockstep_postings, sent_to_each_rank
+from .nccl_rules import check_nccl_rules
+from .nccl_timing import unit_cost_makespan
+from .program_pass import lower_program
+from .user_program import postings as derive_postings
+from .user_program import program_of
 
 MEGATRON, LOCKSTEP = "megatron", "lockstep"  # the executor's two ways of posting on NCCL
 
@@ -136,38 +23,28 @@ MEGATRON, LOCKSTEP = "megatron", "lockstep"  # the executor's two ways of postin
 def lower(schedule: Schedule, posting: str = MEGATRON,
           variable_shapes: bool = False, post_ahead: bool = False,
           postings: list | None = None) -> Program:
-    """The executor's P2P program for ``schedule`` on NCCL (see the module docstring):
+    """The executor's P2P program for ``schedule`` on NCCL (``analysis.program_pass``):
     ``megatron`` posting fuses a send with the next receive going the other way, as
     Megatron's 1F1B does; ``lockstep`` posts one batch per round (``lockstep_posting``).
-    ``variable_shapes``: every call first exchanges its shape headers in a batch of its own
-    and waits on it, as the transport does on NCCL. ``postings``: each rank's lockstep-seam
+    ``variable_shapes``: every call first exchanges its shape headers in a batch of its own and
+    waits on it, as the transport does on NCCL. ``postings``: each rank's lockstep-seam
     posting given explicitly (a user's program, ``user_program.postings``)."""
-    program = Program(f"schedule {schedule.name} (p={schedule.num_ranks}, "
-                      f"m={schedule.num_microbatches}, v={schedule.chunks}, {posting} "
-                      f"posting{', variable shapes' if variable_shapes else ''})")
+    name = (f"schedule {schedule.name} (p={schedule.num_ranks}, "
+            f"m={schedule.num_microbatches}, v={schedule.chunks}, {posting} "
+            f"posting{', variable shapes' if variable_shapes else ''})")
     if postings is None and posting == LOCKSTEP:
         postings = lockstep_postings(schedule)
-    incoming = sent_to_each_rank(schedule)
-    for rank in range(schedule.num_ranks):
-        recorder = _Recorder(rank)
-        _LabellingExecutor(schedule, rank, recorder, _NoWork(recorder), recv_shape=None,
-                           dtype=torch.float32, device=torch.device("cpu"),
-                           variable_shapes=variable_shapes, incoming=incoming[rank],
-                           lockstep=postings[rank] if postings else None,
-                           post_ahead=post_ahead).run()
-        program.steps.append(recorder.steps)
-    return program
+    return lower_program(schedule, name, sent_to_each_rank(schedule), postings, post_ahead,
+                         variable_shapes)
 
 
-USER = "user"  # a schedule file's own communication (runtime.user_program)
+USER = "user"  # a schedule file's own communication (analysis.user_program)
 
 
 def _checked_program(schedule: Schedule, variable_shapes: bool) -> tuple[str, Program, list]:
     """(how, the program, each rank's lockstep-seam posting or None for Megatron's fused
     calls): the file's own program, else Megatron's fused calls, else lockstep rounds; the
     first whose program passes ``check_nccl_rules``."""
-    from .user_program import program_of
-
     program = program_of(schedule)
     if program is not None:
         postings = user_postings(schedule, program, variable_shapes)
@@ -199,9 +76,7 @@ def user_postings(schedule: Schedule, program: Program,
     """The executor's postings for a user's own ``program`` (a CSV with communication):
     lowered with them, every rank's batches must be the user's, op for op, and the result
     must pass ``check_nccl_rules``; otherwise ``ScheduleError`` before any byte moves."""
-    from .user_program import postings as derive
-
-    postings = derive(schedule, program)
+    postings = derive_postings(schedule, program)
     try:
         lowered = lower(schedule, variable_shapes=variable_shapes, postings=postings)
     except RuntimeError as exc:  # e.g. receives posted out of a peer's sending order
@@ -248,8 +123,6 @@ def _ahead_program(schedule: Schedule, variable_shapes: bool) -> Program | None:
         check_nccl_rules(ahead)
     except ScheduleError:
         return None
-    from ..analysis.nccl_timing import unit_cost_makespan
-
     plain = [unit_cost_makespan(program, schedule, t_comm) for t_comm in _AHEAD_PROBES]
     early = [unit_cost_makespan(ahead, schedule, t_comm) for t_comm in _AHEAD_PROBES]
     faster = all(e <= p for e, p in zip(early, plain)) and any(

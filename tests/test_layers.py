@@ -1,0 +1,98 @@
+"""The package's layers import one way: ir <- schedules <- analysis <- runtime <- integration <-
+commands / train / models (docs/architecture.md). The test reads every module's imports
+(those inside functions too, with the AST, without importing anything) and fails on one that
+reaches a higher layer. Pure: no torch."""
+
+import ast
+from pathlib import Path
+
+import megatron_pp_ext
+
+PACKAGE = Path(megatron_pp_ext.__file__).parent
+
+#: the layer of each top-level module or folder of the package (the package root, which
+#: re-exports the public names, sits above everything)
+LAYERS = {
+    "ir": 0, "timeline": 0, "program": 0, "units": 0,
+    "schedules": 1,
+    "analysis": 2,
+    "runtime": 3, "device": 3,
+    "integration": 4,
+    "models": 5, "train": 5, "commands": 5, "cli": 5, "__main__": 5, "run": 5,
+}
+ROOT_LAYER = 6
+
+#: upward imports still there, each with the reason and what removes it (none today); the test
+#: fails when one of them disappears too, so the list only shrinks
+KNOWN_UPWARD: dict[tuple[str, str], str] = {}
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def _imports(path: Path, module: str, is_package: bool):
+    """(imported module relative to the package, line) for every import of the package."""
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = module.split(".") if module else []
+                if not is_package:
+                    base = base[:-1]
+                base = base[:len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            elif node.module and node.module.startswith("megatron_pp_ext"):
+                target = node.module[len("megatron_pp_ext"):].lstrip(".")
+            else:
+                continue
+            for alias in node.names:  # `from . import install` names a module
+                sub = f"{target}.{alias.name}" if target else alias.name
+                yield (sub if (PACKAGE / (sub.replace(".", "/") + ".py")).exists()
+                       or (PACKAGE / sub.replace(".", "/")).is_dir() else target), node.lineno
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("megatron_pp_ext"):
+                    yield alias.name[len("megatron_pp_ext"):].lstrip("."), node.lineno
+
+
+def _layer(module: str) -> int:
+    if not module:
+        return ROOT_LAYER
+    top = module.split(".")[0]
+    assert top in LAYERS, f"megatron_pp_ext.{top} has no layer: add it to LAYERS"
+    return LAYERS[top]
+
+
+def _upward() -> dict[tuple[str, str], list[str]]:
+    found: dict[tuple[str, str], list[str]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        module = _module_name(path)
+        for target, line in _imports(path, module, path.name == "__init__.py"):
+            if _layer(target) > _layer(module):
+                found.setdefault((module, target), []).append(
+                    f"megatron_pp_ext/{path.relative_to(PACKAGE)}:{line}")
+    return found
+
+
+def test_no_module_imports_a_higher_layer():
+    upward = _upward()
+    new = {edge: where for edge, where in upward.items() if edge not in KNOWN_UPWARD}
+    assert not new, "upward imports (move the shared piece down instead):\n" + "\n".join(
+        f"  {a} -> {b} at {', '.join(where)}" for (a, b), where in sorted(new.items()))
+    gone = set(KNOWN_UPWARD) - set(upward)
+    assert not gone, f"no longer imported upward, remove from KNOWN_UPWARD: {sorted(gone)}"
+
+
+def test_the_walk_sees_function_level_and_relative_imports(tmp_path):
+    """The checker itself: a relative import inside a function is found and resolved."""
+    source = tmp_path / "probe.py"
+    source.write_text("def f():\n    from ..runtime.executor import Executor\n"
+                      "from .. import install\nfrom ..ir import Action\n")
+    found = sorted(_imports(source, "analysis.probe", False), key=lambda item: item[1])
+    assert found == [("runtime.executor", 2), ("", 3), ("ir", 4)]  # "": the package root
+    assert _layer("runtime.executor") > _layer("analysis.probe")
+    assert _layer("") == ROOT_LAYER
