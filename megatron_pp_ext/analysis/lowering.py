@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from ..ir import Schedule, ScheduleError
 from ..program import Program
-from .messages import lockstep_postings, sent_to_each_rank
+from .messages import lockstep_postings
 from .nccl_rules import check_nccl_rules
 from .nccl_timing import unit_cost_makespan
 from .program_pass import lower_program
@@ -34,8 +34,7 @@ def lower(schedule: Schedule, posting: str = MEGATRON,
             f"posting{', variable shapes' if variable_shapes else ''})")
     if postings is None and posting == LOCKSTEP:
         postings = lockstep_postings(schedule)
-    return lower_program(schedule, name, sent_to_each_rank(schedule), postings, post_ahead,
-                         variable_shapes)
+    return lower_program(schedule, name, postings, post_ahead, variable_shapes)
 
 
 USER = "user"  # a schedule file's own communication (analysis.user_program)
@@ -113,9 +112,11 @@ def nccl_post_ahead(schedule: Schedule, variable_shapes: bool = False) -> bool:
     return _ahead_program(schedule, variable_shapes) is not None
 
 
-def _ahead_program(schedule: Schedule, variable_shapes: bool) -> Program | None:
-    """The program with receives posted ahead where ``nccl_post_ahead`` allows it, else None."""
-    posting, program, _ = _checked_program(schedule, variable_shapes)
+def _ahead_program(schedule: Schedule, variable_shapes: bool,
+                   checked: tuple | None = None) -> Program | None:
+    """The program with receives posted ahead where ``nccl_post_ahead`` allows it, else None
+    (``checked``: ``_checked_program``'s result, when the caller has it)."""
+    posting, program, _ = checked or _checked_program(schedule, variable_shapes)
     if posting != MEGATRON:
         return None
     ahead = lower(schedule, MEGATRON, variable_shapes, post_ahead=True)
@@ -139,8 +140,8 @@ def nccl_posting_kind(schedule: Schedule, variable_shapes: bool = False) -> str:
 def nccl_program(schedule: Schedule, variable_shapes: bool = False) -> Program:
     """The checked program the executor runs on NCCL (the posting ``nccl_posting`` picks,
     receives posted ahead where ``nccl_post_ahead`` says so)."""
-    return (_ahead_program(schedule, variable_shapes)
-            or _checked_program(schedule, variable_shapes)[1])
+    checked = _checked_program(schedule, variable_shapes)
+    return _ahead_program(schedule, variable_shapes, checked) or checked[1]
 
 
 __all__ = ["MEGATRON", "LOCKSTEP", "USER", "lower", "nccl_posting", "nccl_posting_kind",

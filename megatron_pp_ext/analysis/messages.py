@@ -79,14 +79,15 @@ def incoming_messages(schedule: Schedule, rank: int) -> dict[int, list[Message]]
     return sent_to_each_rank(schedule)[rank]
 
 
-def sent_to_each_rank(schedule: Schedule,
-                      rounds: list[list[int]] | None = None) -> list[dict[int, list]]:
+def sent_to_each_rank(schedule: Schedule, rounds: list[list[int]] | None = None,
+                      plans: list[list[CommPlan]] | None = None) -> list[dict[int, list]]:
     """For every rank, per peer, the messages that peer sends it in sending order (one pass
-    over every rank's plan); with ``rounds``, each as (round of its producer, message)."""
+    over every rank's plan); with ``rounds``, each as (round of its producer, message).
+    ``plans``: every rank's ``comm_plan``, when the caller has them."""
     incoming: list[dict[int, list]] = [collections.defaultdict(list)
                                        for _ in range(schedule.num_ranks)]
     for peer in range(schedule.num_ranks):
-        for i, plan in enumerate(comm_plan(schedule, peer)):
+        for i, plan in enumerate(plans[peer] if plans else comm_plan(schedule, peer)):
             if plan.send is not None:
                 message = Message(peer, plan.send.carries, plan.send.stage, plan.send.microbatch)
                 item = message if rounds is None else (rounds[peer][i], message)

@@ -74,6 +74,7 @@ class _Clock:
         self.host = [0] * n  # next step of each rank's host
         self.now = [0.0] * n  # each rank's host clock
         self.posted: list[list[tuple[Batch, float]]] = [[] for _ in range(n)]
+        self.started = [0] * n  # how many of each rank's posted batches have started
         self.start: dict[tuple[int, int], float] = {}  # (rank, batch) -> start on its stream
         self.end: dict[tuple[int, int], float] = {}  # (rank, batch) -> completion
         self.op_end: dict[tuple[int, int, int], float] = {}
@@ -123,17 +124,18 @@ class _Clock:
             (self.sends if op.kind == SEND else self.recvs)[pair].append((batch, i))
 
     def _start_batches(self) -> bool:
-        """A posted batch starts once the rank's previous batch has ended."""
+        """A posted batch starts once the rank's previous batch has ended (so each rank's
+        started batches are a prefix of its posted ones: ``started[rank]`` of them)."""
         moved = False
         for rank, posted in enumerate(self.posted):
-            for batch, posted_at in posted:
+            while self.started[rank] < len(posted):
+                batch, posted_at = posted[self.started[rank]]
                 key = (rank, batch.index)
-                if key in self.start:
-                    continue
                 previous = self.end.get((rank, batch.index - 1), 0.0) if batch.index else 0.0
                 if batch.index and (rank, batch.index - 1) not in self.end:
                     break
                 self.start[key] = max(posted_at, previous)
+                self.started[rank] += 1
                 moved = True
                 if not batch.ops:
                     self.end[key] = self.start[key]
@@ -159,19 +161,23 @@ class _Clock:
         return moved
 
     def _complete_batches(self) -> bool:
+        """Only a rank's last started batch can be running: each starts after the one before
+        it has ended."""
         moved = False
         for rank, posted in enumerate(self.posted):
-            for batch, _ in posted:
-                key = (rank, batch.index)
-                if key in self.end or key not in self.start:
-                    continue
-                ends = [self.op_end.get((rank, batch.index, i)) for i in range(len(batch.ops))]
-                if any(e is None for e in ends):
-                    continue
-                self.end[key] = max(ends)
-                self.events.append(Event(rank, f"#{batch.index} {batch.call or 'p2p'}",
-                                         self.start[key], self.end[key], P2P))
-                moved = True
+            if not self.started[rank]:
+                continue
+            batch, _ = posted[self.started[rank] - 1]
+            key = (rank, batch.index)
+            if key in self.end:
+                continue
+            ends = [self.op_end.get((rank, batch.index, i)) for i in range(len(batch.ops))]
+            if any(e is None for e in ends):
+                continue
+            self.end[key] = max(ends)
+            self.events.append(Event(rank, f"#{batch.index} {batch.call or 'p2p'}",
+                                     self.start[key], self.end[key], P2P))
+            moved = True
         return moved
 
 

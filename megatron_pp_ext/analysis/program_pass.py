@@ -30,7 +30,8 @@ import collections
 
 from ..ir import FORWARD, Schedule
 from ..program import RECV, SEND, Batch, Compute, P2POp, Post, Program, Wait
-from .messages import ACTIVATION, LockstepPosting, Message, call_name, comm_plan
+from .messages import (ACTIVATION, CommPlan, LockstepPosting, Message, call_name, comm_plan,
+                       sent_to_each_rank)
 
 
 def op_label(message: Message) -> str:
@@ -52,11 +53,12 @@ def torch_op_name(message: Message, kind: str) -> str:
 class _RankPass:
     """One rank's walk; ``steps`` is its part of the program."""
 
-    def __init__(self, schedule: Schedule, rank: int, incoming: dict[int, list[Message]],
-                 lockstep: LockstepPosting | None, post_ahead: bool, variable_shapes: bool):
+    def __init__(self, schedule: Schedule, rank: int, plans: list[CommPlan],
+                 incoming: dict[int, list[Message]], lockstep: LockstepPosting | None,
+                 post_ahead: bool, variable_shapes: bool):
         self.schedule, self.rank = schedule, rank
         self.actions = schedule.actions[rank]
-        self.plans = comm_plan(schedule, rank)
+        self.plans = plans
         self.lockstep = lockstep
         self.post_ahead = post_ahead and lockstep is None
         self.variable_shapes = variable_shapes
@@ -173,15 +175,15 @@ class _RankPass:
         return self.steps
 
 
-def lower_program(schedule: Schedule, name: str, incoming: list[dict[int, list[Message]]],
-                  postings: list | None = None, post_ahead: bool = False,
-                  variable_shapes: bool = False) -> Program:
-    """The program (see the module docstring): ``incoming[rank]`` is what each peer sends
-    that rank, in order (``messages.sent_to_each_rank``); ``postings`` each rank's lockstep
-    posting, or None for Megatron's fused calls."""
+def lower_program(schedule: Schedule, name: str, postings: list | None = None,
+                  post_ahead: bool = False, variable_shapes: bool = False) -> Program:
+    """The program (see the module docstring); ``postings``: each rank's lockstep posting, or
+    None for Megatron's fused calls."""
+    plans = [comm_plan(schedule, rank) for rank in range(schedule.num_ranks)]
+    incoming = sent_to_each_rank(schedule, plans=plans)
     program = Program(name)
     for rank in range(schedule.num_ranks):
         program.steps.append(_RankPass(
-            schedule, rank, incoming[rank], postings[rank] if postings else None,
+            schedule, rank, plans[rank], incoming[rank], postings[rank] if postings else None,
             post_ahead, variable_shapes).run())
     return program

@@ -1,0 +1,94 @@
+"""What the drop-in pays at start-up on NCCL before its first step, and what ``simulate
+--communication nccl`` pays, for large pipelines: the lowering pass (``analysis.program_pass``),
+the posting choice with NCCL's rules checked (``analysis.lowering.nccl_posting``, the program
+with receives posted ahead, ``nccl_post_ahead``) and the NCCL timing model
+(``analysis.nccl_timing``), each timed in this process (CPU seconds, ``time.process_time``)
+with the peak resident memory of the whole run.
+
+    .venv/bin/python -m bench.lowering_scale                 # p = 8, 16, 32, 64, m = 8p
+    .venv/bin/python -m bench.lowering_scale --ps 64 --schedules zb-v
+
+Writes ``bench/results/lowering_scale.md`` (and ``.json``). Not a test: figures only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import time
+from pathlib import Path
+
+from megatron_pp_ext.analysis.lowering import nccl_post_ahead, nccl_posting_kind, nccl_program
+from megatron_pp_ext.analysis.nccl_timing import time_program
+from megatron_pp_ext.analysis.simulate import CostModel, action_durations
+from megatron_pp_ext.schedules import build_schedule
+from megatron_pp_ext.schedules.validate import peak_activations
+
+CHUNKS = {"interleaved": 2, "zb-v": 2, "dualpipev": 2}
+
+
+def _timed(work):
+    start = time.process_time()
+    out = work()
+    return out, time.process_time() - start
+
+
+def measure(name: str, p: int, m: int) -> dict:
+    v = CHUNKS.get(name, 1)
+    schedule, build_s = _timed(lambda: build_schedule(name, p, m, v))
+    # what the drop-in derives once per schedule on NCCL (RunState.nccl_posting / _ahead)
+    kind, posting_s = _timed(lambda: nccl_posting_kind(schedule))
+    _, ahead_s = _timed(lambda: nccl_post_ahead(schedule))
+    program, program_s = _timed(lambda: nccl_program(schedule))
+    cost = CostModel().per_stage(schedule)
+    _, timing_s = _timed(lambda: time_program(program, schedule, action_durations(cost),
+                                              cost["t_comm"], peak_activations(schedule),
+                                              check=False))
+    return {"schedule": name, "p": p, "m": m, "v": v, "posting": kind,
+            "actions": sum(len(row) for row in schedule.actions),
+            "batches": sum(len(program.batches(r)) for r in range(p)),
+            "build_s": build_s, "drop_in_start_s": posting_s + ahead_s,
+            "simulate_nccl_s": program_s + timing_s}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ps", type=int, nargs="+", default=[8, 16, 32, 64])
+    parser.add_argument("--per-rank", type=int, default=8, help="m = this x p")
+    parser.add_argument("--schedules", nargs="+",
+                        default=["1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev"])
+    parser.add_argument("--out", default="bench/results/lowering_scale")
+    args = parser.parse_args(argv)
+    rows = []
+    for p in args.ps:
+        for name in args.schedules:
+            rows.append(measure(name, p, args.per_rank * p))
+            print(json.dumps(rows[-1]), flush=True)
+    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    lines = [
+        "| schedule | p | m | v | posting | actions (count) | batches (count) | build | "
+        "drop-in start-up on NCCL | simulate --communication nccl |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(f"| {r['schedule']} | {r['p']} | {r['m']} | {r['v']} | {r['posting']} | "
+                     f"{r['actions']} | {r['batches']} | {r['build_s']:.2f} s | "
+                     f"{r['drop_in_start_s']:.2f} s | {r['simulate_nccl_s']:.2f} s |")
+    lines.append("")
+    lines.append(f"CPU seconds in one process (time.process_time); peak resident memory of the "
+                 f"whole run: {peak_mb:.0f} MiB. Drop-in start-up: nccl_posting (the program "
+                 "lowered and checked against NCCL's rules) + nccl_post_ahead (the program "
+                 "with receives posted ahead, checked and timed at unit costs), once per "
+                 "schedule on every rank. simulate: nccl_program + the NCCL timing model.")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    out.with_suffix(".json").write_text(json.dumps({"rows": rows, "peak_mib": peak_mb},
+                                                   indent=1))
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
