@@ -106,7 +106,7 @@ def expected_peaks(schedule, rank, count_stash=True):
     * a tensor handed to another stage of the same rank waits (1) until that stage takes it.
 
     Samples: after each action, after each hand-over, after each early arrival."""
-    from megatron_pp_ext.runtime.messages import comm_plan, incoming_messages
+    from megatron_pp_ext.analysis.messages import comm_plan, incoming_messages
 
     plans = comm_plan(schedule, rank)
     queues = {peer: list(msgs) for peer, msgs in incoming_messages(schedule, rank).items()}
@@ -246,13 +246,13 @@ def test_early_arrivals_in_the_inbox_count():
 
 def test_stash_bytes_count_a_waiting_tensor():
     """The inbox's stash as the executor samples it: an arrival that waits is held."""
-    from megatron_pp_ext.runtime.messages import Inbox, Message
+    from megatron_pp_ext.analysis.messages import Inbox, Message
 
     inbox = Inbox({1: []})
     a = torch.zeros(ROWS, WIDTH, dtype=torch.float64)
     inbox.stash[Message(1, "activation", 0, 0)] = a
     inbox.stash[Message(1, "activation", 0, 1)] = a[1:]  # a view of the same storage
-    assert inbox.stash_bytes() == UNIT
+    assert unique_bytes(inbox.stash_tensors()) == UNIT
     meter = ActivationMemory()
     assert meter.sample((), inbox.stash_tensors()) == UNIT
     assert meter.peak_parts == {"saved": 0, "w_queue": 0, "waiting": UNIT}

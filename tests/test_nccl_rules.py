@@ -32,7 +32,7 @@ from megatron_pp_ext.analysis.lowering import (
     nccl_posting,
     nccl_program,
 )
-from megatron_pp_ext.runtime.messages import lockstep_rounds
+from megatron_pp_ext.analysis.messages import lockstep_rounds
 from megatron_pp_ext.schedules import build_schedule
 from support.emulated import microbatch_inputs, stage_weights
 from support.inmemory import ROWS, WIDTH, RecordingWork, assert_equals_pp1, run_inmemory

@@ -1,7 +1,7 @@
 """The messages an action list implies: what each action receives and sends, Megatron's name
-for each call, what every rank receives from each peer in its sending order, and the lockstep
-rounds. No torch: the lowering (``analysis.lowering``) and the executor's inbox
-(``runtime.messages``) read them.
+for each call, what every rank receives from each peer in its sending order, the lockstep
+rounds, and the inbox that receives them in each sender's order. No torch: the lowering pass
+(``analysis.program_pass``) and the executor both use them.
 
 Communication is derived from the action list (the same rule the validator checks): an F on
 stage s receives from the rank of stage s-1 and sends to the rank of stage s+1; a B or I
@@ -93,6 +93,48 @@ def sent_to_each_rank(schedule: Schedule, rounds: list[list[int]] | None = None,
                 item = message if rounds is None else (rounds[peer][i], message)
                 incoming[plan.send.peer][peer].append(item)
     return [dict(per_peer) for per_peer in incoming]
+
+
+class Inbox:
+    """Receives from each peer in the order that peer sends (every rank knows every action
+    list), so two ranks never have to agree on one order; what arrives before it is
+    needed waits in ``stash``. Receives in flight are kept per peer in posting order (one
+    at a time, except where a lockstep program posts several ahead)."""
+
+    def __init__(self, incoming: dict[int, list[Message]]):
+        self.queues = {peer: collections.deque(msgs) for peer, msgs in incoming.items()}
+        self.in_flight: dict[int, collections.deque] = collections.defaultdict(
+            collections.deque)  # peer -> (message, handle), oldest first
+        self.stash: dict[Message, object] = {}  # what arrived early (the executor: tensors)
+
+    def next_from(self, peer: int) -> Message:
+        if not self.queues.get(peer):
+            raise RuntimeError(
+                f"a message from rank {peer} is needed, but its action list sends no further "
+                "one: the ranks run inconsistent schedules (validate_schedule rejects this)")
+        return self.queues[peer][0]
+
+    def to_post(self, needed: Message) -> Message | None:
+        """What to receive now so that ``needed`` comes next (None: nothing to post)."""
+        if needed in self.stash or self.in_flight[needed.peer]:
+            return None
+        return self.next_from(needed.peer)
+
+    def posted(self, message: Message, handle) -> None:
+        if self.next_from(message.peer) != message:
+            raise RuntimeError(f"receive of {message} posted out of rank {message.peer}'s "
+                               "sending order")
+        self.queues[message.peer].popleft()
+        self.in_flight[message.peer].append((message, handle))
+
+    def oldest_in_flight(self, peer: int):
+        """(message, handle) of the oldest receive posted from ``peer`` (None: none)."""
+        return self.in_flight[peer].popleft() if self.in_flight[peer] else None
+
+    def stash_tensors(self) -> list:
+        """What arrived early and waits in the stash (the executor: tensors, which its
+        activation memory counts)."""
+        return list(self.stash.values())
 
 
 @dataclass

@@ -26,12 +26,10 @@ the executor's own postings, batch for batch, over every schedule and size of th
 
 from __future__ import annotations
 
-import collections
-
 from ..ir import FORWARD, Schedule
 from ..program import RECV, SEND, Batch, Compute, P2POp, Post, Program, Wait
-from .messages import (ACTIVATION, CommPlan, LockstepPosting, Message, call_name, comm_plan,
-                       sent_to_each_rank)
+from .messages import (ACTIVATION, CommPlan, Inbox, LockstepPosting, Message, call_name,
+                       comm_plan, sent_to_each_rank)
 
 
 def op_label(message: Message) -> str:
@@ -62,27 +60,11 @@ class _RankPass:
         self.lockstep = lockstep
         self.post_ahead = post_ahead and lockstep is None
         self.variable_shapes = variable_shapes
-        self.queues = {peer: collections.deque(msgs) for peer, msgs in incoming.items()}
-        self.in_flight: dict[int, collections.deque] = collections.defaultdict(
-            collections.deque)  # peer -> (message, batch), oldest first
-        self.stash: set[Message] = set()
+        self.inbox = Inbox(incoming)  # the executor's: a receive in flight is its batch
         self.unsent: dict[int, Message] = {}  # batch of an unwaited send -> its message
         self.unsent_activation: dict[tuple[int, int], int] = {}  # (stage, mb) -> batch
         self.steps: list = []
         self.batches = 0
-
-    # ---------------------------------------------------------------- the inbox
-    def _next_from(self, peer: int) -> Message:
-        if not self.queues.get(peer):
-            raise RuntimeError(
-                f"a message from rank {peer} is needed, but its action list sends no further "
-                "one: the ranks run inconsistent schedules (validate_schedule rejects this)")
-        return self.queues[peer][0]
-
-    def _to_post(self, needed: Message) -> Message | None:
-        if needed in self.stash or self.in_flight[needed.peer]:
-            return None
-        return self._next_from(needed.peer)
 
     # ---------------------------------------------------------------- posting and waiting
     def _batch(self, ops: list[P2POp], call: str) -> int:
@@ -110,24 +92,21 @@ class _RankPass:
             self.steps.append(Wait(header, "the shape headers"))
         index = self._batch(self._ops(send, recvs, False), name)
         for message in recvs:
-            if self._next_from(message.peer) != message:
-                raise RuntimeError(f"receive of {message} posted out of rank "
-                                   f"{message.peer}'s sending order")
-            self.queues[message.peer].popleft()
-            self.in_flight[message.peer].append((message, index))
+            self.inbox.posted(message, index)
         if send is not None:
             self.unsent[index] = send
             if send.carries == ACTIVATION:
                 self.unsent_activation[(send.stage, send.microbatch)] = index
 
     def _take(self, needed: Message) -> None:
-        while needed not in self.stash:
-            if not self.in_flight[needed.peer]:
-                self._post(None, [self._next_from(needed.peer)])
-            message, index = self.in_flight[needed.peer].popleft()
+        inbox = self.inbox
+        while needed not in inbox.stash:
+            if not inbox.in_flight[needed.peer]:
+                self._post(None, [inbox.next_from(needed.peer)])
+            message, index = inbox.oldest_in_flight(needed.peer)
             self.steps.append(Wait(index))
-            self.stash.add(message)
-        self.stash.discard(needed)
+            inbox.stash[message] = None
+        del inbox.stash[needed]
 
     def _finish_send(self, index: int) -> None:
         message = self.unsent.pop(index)
@@ -153,7 +132,7 @@ class _RankPass:
                 needed = self.plans[i + 1].recv
                 if needed is not None and (plan.send is None
                                            or plan.send.carries == needed.carries):
-                    early = self._to_post(needed)
+                    early = self.inbox.to_post(needed)
                     if early is not None:
                         self._post(None, [early])
             self.steps.append(Compute(str(action)))
@@ -164,14 +143,14 @@ class _RankPass:
             fused = None
             if plan.send is not None and next_recv is not None \
                     and next_recv.carries != plan.send.carries:
-                fused = self._to_post(next_recv)
+                fused = self.inbox.to_post(next_recv)
             self._post(plan.send, [fused] if fused is not None else [])
         for index in list(self.unsent):
             self._finish_send(index)
-        if self.stash:
+        if self.inbox.stash:
             raise RuntimeError(
                 f"rank {self.rank}: messages were left unconsumed at the end of the step: "
-                f"{sorted(map(str, self.stash))} (the schedule lacks their consumers)")
+                f"{sorted(map(str, self.inbox.stash))} (the schedule lacks their consumers)")
         return self.steps
 
 

@@ -36,7 +36,7 @@ from ..ir import Schedule, ScheduleError
 from ..runtime import trace as tracing
 from ..runtime.errors import PipelineTimeoutError
 from ..runtime.executor import Executor, StepResult
-from ..runtime.messages import Message, incoming_messages
+from ..analysis.messages import Message, incoming_messages
 from ..runtime.transport import TorchDistTransport
 from ..schedules import AUTO, build_schedule, get_spec, schedule_layout
 from ..timeline import Timeline

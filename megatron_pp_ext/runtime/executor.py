@@ -1,6 +1,6 @@
 """One executor for every schedule: runs one rank's action list.
 
-Communication is derived from the action list (``messages.py``). A send fuses with the next
+Communication is derived from the action list (``analysis/messages.py``). A send fuses with the next
 action's receive when they go opposite ways, as Megatron's ``send_forward_recv_backward`` /
 ``send_backward_recv_forward``; receives are matched in each sender's order (the Inbox).
 
@@ -23,7 +23,7 @@ from ..ir import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action, Sch
 from ..timeline import COMM_WAIT, COMPUTE, Event
 from .. import device as device_helper
 from .errors import PeerFailedError, PeerReported, PipelineTimeoutError
-from .messages import (
+from ..analysis.messages import (
     ACTIVATION,
     GRADIENT,
     MEGATRON_TIMERS,
