@@ -177,7 +177,7 @@ def test_a_csv_that_could_hang_on_nccl_is_refused_before_anything_is_patched(tmp
     nothing."""
     from megatron_pp_ext.integration import options as options_module
     from megatron_pp_ext.integration.install import installed, uninstall
-    from megatron_pp_ext.runtime import lowering
+    from megatron_pp_ext.analysis import lowering
 
     import megatron_pp_ext
 
