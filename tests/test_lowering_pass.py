@@ -8,7 +8,8 @@ against what the executor posts over the NCCL-rules fabric while it really runs.
 
 import pytest
 
-from megatron_pp_ext.analysis.lowering import LOCKSTEP, MEGATRON, lower, user_postings
+from megatron_pp_ext.analysis.lowering import (LOCKSTEP, MEGATRON, lower, nccl_decision,
+                                               nccl_post_ahead, nccl_posting, user_postings)
 from megatron_pp_ext.analysis.messages import (ACTIVATION, LockstepPosting, Message,
                                                 lockstep_postings)
 from megatron_pp_ext.analysis.user_program import load
@@ -92,3 +93,14 @@ def test_a_receive_out_of_the_senders_order_is_refused_by_both():
             run()
         errors.append(str(info.value))
     assert errors[0] == errors[1] and "posted out of rank 0's sending order" in errors[0]
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb-v"])
+def test_the_drop_ins_one_check_decides_as_the_two_questions_do(name):
+    """nccl_decision (what the drop-in derives once per schedule) is nccl_posting and
+    nccl_post_ahead asked apart: gpipe posts ahead, 1f1b fuses, zb-v runs in lockstep."""
+    schedule = _build(name, 4, 8)
+    decision = nccl_decision(schedule)
+    assert decision == (nccl_posting(schedule), nccl_post_ahead(schedule))
+    assert (decision[0] is None, decision[1]) == {
+        "gpipe": (True, True), "1f1b": (True, False), "zb-v": (False, False)}[name]

@@ -131,6 +131,16 @@ def _ahead_program(schedule: Schedule, variable_shapes: bool,
     return ahead if faster else None
 
 
+def nccl_decision(schedule: Schedule,
+                  variable_shapes: bool = False) -> tuple[dict[int, object] | None, bool]:
+    """``(nccl_posting, nccl_post_ahead)`` from one check of the program: what the drop-in
+    derives once per schedule before its first step on NCCL."""
+    checked = _checked_program(schedule, variable_shapes)
+    postings = checked[2]
+    ahead = _ahead_program(schedule, variable_shapes, checked) is not None
+    return (None if postings is None else dict(enumerate(postings))), ahead
+
+
 def nccl_posting_kind(schedule: Schedule, variable_shapes: bool = False) -> str:
     """Which program ``nccl_program`` is: ``user`` (the schedule file's own), ``megatron``
     (Megatron's fused calls) or ``lockstep``."""
@@ -144,5 +154,6 @@ def nccl_program(schedule: Schedule, variable_shapes: bool = False) -> Program:
     return _ahead_program(schedule, variable_shapes, checked) or checked[1]
 
 
-__all__ = ["MEGATRON", "LOCKSTEP", "USER", "lower", "nccl_posting", "nccl_posting_kind",
+__all__ = ["MEGATRON", "LOCKSTEP", "USER", "lower", "nccl_decision", "nccl_posting",
+           "nccl_posting_kind",
            "nccl_post_ahead", "nccl_program", "user_postings"]

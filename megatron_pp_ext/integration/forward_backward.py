@@ -32,11 +32,12 @@ from megatron.core.pipeline_parallel.schedules import (
 from megatron.core.utils import get_model_config
 
 from .. import device as device_helper
+from ..analysis.lowering import nccl_decision
+from ..analysis.messages import Message, incoming_messages
 from ..ir import Schedule, ScheduleError
 from ..runtime import trace as tracing
 from ..runtime.errors import PipelineTimeoutError
 from ..runtime.executor import Executor, StepResult
-from ..analysis.messages import Message, incoming_messages
 from ..runtime.transport import TorchDistTransport
 from ..schedules import AUTO, build_schedule, get_spec, schedule_layout
 from ..timeline import Timeline
@@ -89,19 +90,17 @@ class RunState:
         """This rank's lockstep posting on NCCL, or None for Megatron's fused calls; the
         lowered program is checked against NCCL's rules once per schedule and shape mode
         (ScheduleError, before any byte moves, if it could hang)."""
-        from ..analysis.lowering import nccl_posting
-
-        postings = self._derived(("nccl", variable_shapes), schedule,
-                                 lambda: nccl_posting(schedule, variable_shapes))
+        postings = self._nccl(schedule, variable_shapes)[0]
         return None if postings is None else postings[rank]
 
     def nccl_post_ahead(self, schedule: Schedule, variable_shapes: bool = False) -> bool:
         """Whether receives are posted ahead on NCCL (``lowering.nccl_post_ahead``), decided
-        once per schedule and shape mode."""
-        from ..analysis.lowering import nccl_post_ahead
+        once per schedule and shape mode, from the same check as the posting."""
+        return self._nccl(schedule, variable_shapes)[1]
 
-        return self._derived(("ahead", variable_shapes), schedule,
-                             lambda: nccl_post_ahead(schedule, variable_shapes))
+    def _nccl(self, schedule: Schedule, variable_shapes: bool):
+        return self._derived(("nccl", variable_shapes), schedule,
+                             lambda: nccl_decision(schedule, variable_shapes))
 
     def _derived(self, what: tuple, schedule: Schedule, derive):
         key = (id(schedule), *what)
