@@ -1,7 +1,7 @@
 """What the drop-in pays at start-up on NCCL before its first step, and what ``simulate
 --communication nccl`` pays, for large pipelines: the lowering pass (``analysis.program_pass``),
-the posting choice with NCCL's rules checked (``analysis.lowering.nccl_posting``, the program
-with receives posted ahead, ``nccl_post_ahead``) and the NCCL timing model
+the posting choice with NCCL's rules checked and the program with receives posted ahead
+(``analysis.lowering.nccl_decision``, what the drop-in derives once per schedule) and the NCCL timing model
 (``analysis.nccl_timing``), each timed in this process (CPU seconds, ``time.process_time``)
 with the peak resident memory of the whole run.
 
@@ -19,7 +19,7 @@ import resource
 import time
 from pathlib import Path
 
-from megatron_pp_ext.analysis.lowering import nccl_post_ahead, nccl_posting_kind, nccl_program
+from megatron_pp_ext.analysis.lowering import nccl_decision, nccl_posting_kind, nccl_program
 from megatron_pp_ext.analysis.nccl_timing import time_program
 from megatron_pp_ext.analysis.simulate import CostModel, action_durations
 from megatron_pp_ext.schedules import build_schedule
@@ -37,9 +37,9 @@ def _timed(work):
 def measure(name: str, p: int, m: int) -> dict:
     v = CHUNKS.get(name, 1)
     schedule, build_s = _timed(lambda: build_schedule(name, p, m, v))
-    # what the drop-in derives once per schedule on NCCL (RunState.nccl_posting / _ahead)
-    kind, posting_s = _timed(lambda: nccl_posting_kind(schedule))
-    _, ahead_s = _timed(lambda: nccl_post_ahead(schedule))
+    # what the drop-in derives once per schedule on NCCL (RunState._nccl)
+    _, start_s = _timed(lambda: nccl_decision(schedule))
+    kind = nccl_posting_kind(schedule)
     program, program_s = _timed(lambda: nccl_program(schedule))
     cost = CostModel().per_stage(schedule)
     _, timing_s = _timed(lambda: time_program(program, schedule, action_durations(cost),
@@ -48,7 +48,7 @@ def measure(name: str, p: int, m: int) -> dict:
     return {"schedule": name, "p": p, "m": m, "v": v, "posting": kind,
             "actions": sum(len(row) for row in schedule.actions),
             "batches": sum(len(program.batches(r)) for r in range(p)),
-            "build_s": build_s, "drop_in_start_s": posting_s + ahead_s,
+            "build_s": build_s, "drop_in_start_s": start_s,
             "simulate_nccl_s": program_s + timing_s}
 
 
@@ -77,10 +77,10 @@ def main(argv=None) -> int:
                      f"{r['drop_in_start_s']:.2f} s | {r['simulate_nccl_s']:.2f} s |")
     lines.append("")
     lines.append(f"CPU seconds in one process (time.process_time); peak resident memory of the "
-                 f"whole run: {peak_mb:.0f} MiB. Drop-in start-up: nccl_posting (the program "
-                 "lowered and checked against NCCL's rules) + nccl_post_ahead (the program "
-                 "with receives posted ahead, checked and timed at unit costs), once per "
-                 "schedule on every rank. simulate: nccl_program + the NCCL timing model.")
+                 f"whole run: {peak_mb:.0f} MiB. Drop-in start-up: nccl_decision (the program "
+                 "lowered and checked against NCCL's rules; with Megatron's fused calls, the "
+                 "program with receives posted ahead, checked and timed at unit costs), once "
+                 "per schedule on every rank. simulate: nccl_program + the NCCL timing model.")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
