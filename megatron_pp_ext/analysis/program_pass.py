@@ -54,7 +54,7 @@ class _RankPass:
     def __init__(self, schedule: Schedule, rank: int, plans: list[CommPlan],
                  incoming: dict[int, list[Message]], lockstep: LockstepPosting | None,
                  post_ahead: bool, variable_shapes: bool):
-        self.schedule, self.rank = schedule, rank
+        self.rank = rank
         self.actions = schedule.actions[rank]
         self.plans = plans
         self.lockstep = lockstep

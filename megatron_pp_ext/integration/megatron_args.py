@@ -218,20 +218,29 @@ def _refuse_loop_splits(name: str, args: Any) -> None:
             "of the string is V stage s, e.g. 'Et|tt|tt|tL' at pp 2), or use a loop schedule")
 
 
-def _refuse_unfit_microbatches(name: str, args: Any, chunks: int, options: dict) -> None:
-    """Build the schedule for the run's pipeline size and microbatch count now, as Megatron
-    checks its own schedule's rules at argument time, so a schedule that cannot run stops here
-    and not at the first step. Skipped when the count is not fixed (batch-size ramp-up)."""
+def _batch_of(args: Any) -> tuple[int, int, int, int] | None:
+    """(microbatches per step, --global-batch-size, --micro-batch-size, data-parallel size),
+    or None when the count is not fixed (not validated yet, or a batch-size ramp-up)."""
     batch = [getattr(args, key, None) for key in
              ("global_batch_size", "micro_batch_size", "data_parallel_size")]
     if not all(isinstance(x, int) and x > 0 for x in batch) or getattr(
             args, "rampup_batch_size", None):
+        return None
+    global_batch, micro_batch, dp = batch
+    return global_batch // (micro_batch * dp), global_batch, micro_batch, dp
+
+
+def _refuse_unfit_microbatches(name: str, args: Any, chunks: int, options: dict) -> None:
+    """Build the schedule for the run's pipeline size and microbatch count now, as Megatron
+    checks its own schedule's rules at argument time, so a schedule that cannot run stops here
+    and not at the first step. Skipped when the count is not fixed (batch-size ramp-up)."""
+    batch = _batch_of(args)
+    if batch is None:
         return
     from ..ir import ScheduleError
     from ..schedules import build_schedule
 
-    global_batch, micro_batch, dp = batch
-    m = global_batch // (micro_batch * dp)
+    m, global_batch, micro_batch, dp = batch
     pp = getattr(args, "pipeline_model_parallel_size", 1) or 1
     try:
         build_schedule(name, pp, m, chunks=chunks, validate=False, **options)
@@ -387,12 +396,9 @@ def _file_options_from_args(path: str, args: Any) -> dict:
         raise ValueError(
             f"--pipeline-schedule {path} places {v} stage(s) on each rank but Megatron builds "
             f"{built} model chunk(s) per rank: {how}")
-    batch = [getattr(args, name, None) for name in
-             ("global_batch_size", "micro_batch_size", "data_parallel_size")]
-    if all(isinstance(x, int) and x > 0 for x in batch) and not getattr(
-            args, "rampup_batch_size", None):
-        global_batch, micro_batch, dp = batch
-        steps_m = global_batch // (micro_batch * dp)
+    batch = _batch_of(args)
+    if batch is not None:
+        steps_m, global_batch, micro_batch, dp = batch
         if steps_m != m:
             raise ValueError(
                 f"--pipeline-schedule {path} schedules m={m} microbatches, but "

@@ -77,7 +77,7 @@ class PipelineOptions:
             raise ValueError(f"max_pending_backward={self.max_pending_backward} must be >= 1")
         for option, value in self.builder_options().items():
             # auto refuses them too: it switches schedules
-            if value is not None and not takes_option(self.schedule, option):
+            if not takes_option(self.schedule, option):
                 takers = SHAPING_OPTIONS[option]
                 raise ValueError(
                     f"{option}={value} shapes {' and '.join(takers)} only, and {self.schedule} "
