@@ -61,7 +61,7 @@ import torch  # noqa: E402
 
 from megatron_pp_ext.runtime.executor import Executor  # noqa: E402
 from megatron_pp_ext.runtime.inmemory import run_ranks_in_threads  # noqa: E402
-from megatron_pp_ext.analysis.lowering import nccl_post_ahead, nccl_posting  # noqa: E402
+from megatron_pp_ext.analysis.lowering import nccl_choice  # noqa: E402
 from megatron_pp_ext.schedules import build_schedule  # noqa: E402
 from support.emulated import microbatch_inputs, stage_weights  # noqa: E402
 from support.inmemory import RecordingWork  # noqa: E402
@@ -269,9 +269,8 @@ def run_on_fabric(name: str, p: int, m: int, device: torch.device, dtype, rows: 
     run = Run(name, p, m)
     try:
         schedule = build(name, p, m)
-        posting = nccl_posting(schedule)
-        ahead = posting is None and nccl_post_ahead(schedule)
-        run.posting = "lockstep" if posting else "megatron" + (", ahead" if ahead else "")
+        choice = nccl_choice(schedule)
+        run.posting = choice.posting + (", ahead" if choice.post_ahead else "")
         cuda = device.type == "cuda" if cuda is None else cuda
         weights = stage_weights(schedule.num_stages, width, device=device, dtype=dtype)
         inputs = microbatch_inputs(m, rows, width, device=device, dtype=dtype)
@@ -288,8 +287,7 @@ def run_on_fabric(name: str, p: int, m: int, device: torch.device, dtype, rows: 
                 work = TimedWork(schedule, rank, weights, inputs, timer=timers[rank])
                 executor = Executor(schedule, rank, transport, work, recv_shape=(rows, width),
                                     dtype=dtype, device=device, timeout_s=timeout_s,
-                                    lockstep=posting[rank] if posting else None,
-                                    post_ahead=ahead)
+                                    program=choice.program)
                 return executor.run(), work
 
         start = time.perf_counter()
@@ -424,9 +422,8 @@ def _nccl_rank(rank: int, world: int, port: int, out_dir: str, configs, rows: in
             record = {"config": (name, p, m)}
             records.append(record)
             schedule = build(name, p, m)
-            posting = nccl_posting(schedule)
-            ahead = posting is None and nccl_post_ahead(schedule)
-            record["posting"] = "lockstep" if posting else "megatron" + (", ahead" if ahead else "")
+            choice = nccl_choice(schedule)
+            record["posting"] = choice.posting + (", ahead" if choice.post_ahead else "")
             transport = TorchDistTransport()  # it finds its batched path itself: checked
             record["batched"] = bool(getattr(transport, "batched", False))
             record["transport_device"] = str(transport.device)
@@ -438,7 +435,7 @@ def _nccl_rank(rank: int, world: int, port: int, out_dir: str, configs, rows: in
                                                dtype=torch.float32), timer=timer)
             executor = Executor(schedule, rank, transport, work, recv_shape=(rows, width),
                                 dtype=torch.float32, device=device, timeout_s=timeout_s,
-                                lockstep=posting[rank] if posting else None, post_ahead=ahead)
+                                program=choice.program)
             barrier()  # also: no rank's first NCCL call is a batch_isend_irecv
             synchronize()
             start = time.perf_counter()

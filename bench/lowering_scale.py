@@ -1,7 +1,8 @@
 """What the drop-in pays at start-up on NCCL before its first step, and what ``simulate
 --communication nccl`` pays, for large pipelines: the lowering pass (``analysis.program_pass``),
 the posting choice with NCCL's rules checked and the program with receives posted ahead
-(``analysis.lowering.nccl_decision``, what the drop-in derives once per schedule) and the NCCL timing model
+(``analysis.lowering.runtime_program``, what the drop-in derives once per schedule, and its
+rank's part compiled for the executor) and the NCCL timing model
 (``analysis.nccl_timing``), each timed in this process (CPU seconds, ``time.process_time``)
 with the peak resident memory of the whole run.
 
@@ -19,9 +20,10 @@ import resource
 import time
 from pathlib import Path
 
-from megatron_pp_ext.analysis.lowering import nccl_decision, nccl_posting_kind, nccl_program
+from megatron_pp_ext.analysis.lowering import nccl_choice, runtime_program
 from megatron_pp_ext.analysis.nccl_timing import time_program
 from megatron_pp_ext.analysis.simulate import CostModel, action_durations
+from megatron_pp_ext.runtime.executor import compile_steps
 from megatron_pp_ext.schedules import build_schedule
 from megatron_pp_ext.schedules.validate import peak_activations
 
@@ -37,10 +39,11 @@ def _timed(work):
 def measure(name: str, p: int, m: int) -> dict:
     v = CHUNKS.get(name, 1)
     schedule, build_s = _timed(lambda: build_schedule(name, p, m, v))
-    # what the drop-in derives once per schedule on NCCL (RunState._nccl)
-    _, start_s = _timed(lambda: nccl_decision(schedule))
-    kind = nccl_posting_kind(schedule)
-    program, program_s = _timed(lambda: nccl_program(schedule))
+    # what the drop-in derives once per schedule on NCCL (RunState.program_steps)
+    _, start_s = _timed(lambda: compile_steps(runtime_program(schedule, batched=True), 0,
+                                              schedule))
+    choice, program_s = _timed(lambda: nccl_choice(schedule))
+    kind, program = choice.posting, choice.program
     cost = CostModel().per_stage(schedule)
     _, timing_s = _timed(lambda: time_program(program, schedule, action_durations(cost),
                                               cost["t_comm"], peak_activations(schedule),
@@ -77,10 +80,11 @@ def main(argv=None) -> int:
                      f"{r['drop_in_start_s']:.2f} s | {r['simulate_nccl_s']:.2f} s |")
     lines.append("")
     lines.append(f"CPU seconds in one process (time.process_time); peak resident memory of the "
-                 f"whole run: {peak_mb:.0f} MiB. Drop-in start-up: nccl_decision (the program "
-                 "lowered and checked against NCCL's rules; with Megatron's fused calls, the "
-                 "program with receives posted ahead, checked and timed at unit costs), once "
-                 "per schedule on every rank. simulate: nccl_program + the NCCL timing model.")
+                 f"whole run: {peak_mb:.0f} MiB. Drop-in start-up: runtime_program (the "
+                 "program lowered and checked against NCCL's rules; with Megatron's fused "
+                 "calls, the program with receives posted ahead, checked and timed at unit "
+                 "costs) and compile_steps (one rank's part read for the executor), once per "
+                 "schedule on every rank. simulate: nccl_choice + the NCCL timing model.")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")

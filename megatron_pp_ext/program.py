@@ -52,11 +52,13 @@ class Post:
 class Wait:
     batch: int  # index of the rank's batch waited on
     why: str = ""
+    op: int | None = None  # which of its ops (None: all of them; NCCL completes them at once)
 
 
 @dataclass(frozen=True)
 class Compute:
     action: str
+    paired: bool = False  # computed in one call with the next Compute (DualPipe's F&B pair)
 
 
 @dataclass
@@ -65,6 +67,9 @@ class Program:
 
     name: str
     steps: list[list] = field(default_factory=list)
+    # per rank, where each action's steps begin (its hooks run there, before its receives);
+    # empty for a program read from a file
+    action_starts: list[list[int]] = field(default_factory=list)
 
     def batches(self, rank: int) -> list[Batch]:
         return [step.batch for step in self.steps[rank] if isinstance(step, Post)]
@@ -101,7 +106,8 @@ class Program:
         lines = []
         for step in self.steps[rank]:
             if isinstance(step, Compute):
-                lines.append(step.action)
+                lines.append(step.action + (" (in one call with the next)" if step.paired
+                                            else ""))
             elif isinstance(step, Post):
                 ops = ", ".join(f"{op.kind} {op.label} {'->' if op.kind == SEND else '<-'} "
                                 f"{op.peer}" for op in step.batch.ops)

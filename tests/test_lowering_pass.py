@@ -1,21 +1,27 @@
-"""The lowering pass (``analysis.program_pass``: the P2P program from the action lists alone)
-against the executor's own postings (``support.executor_dry_run``: each rank's executor run
-against a recording transport on its NCCL path): step for step equal (every batch, its ops,
-their order, every wait), with Megatron's fused calls over p 1..8 x m 1..16 for the schedules
-that post them on NCCL, and on a grid of sizes for every schedule with lockstep rounds,
-receives posted ahead, variable shapes and a schedule file's own program. The fabric tests (``test_nccl_rules.py``) check the same program
-against what the executor posts over the NCCL-rules fabric while it really runs."""
+"""The program is what runs: each rank's executor, given a program lowered by the pass
+(``analysis.program_pass``), posts exactly its batches (every op, in order), waits exactly
+where it says and computes in its order (``support.executor_dry_run`` records it against a
+transport on NCCL's code path), for every posting the lowering has: Megatron's fused calls over
+p 1..8 x m 1..16 for the schedules that post them on NCCL, and on a grid of sizes for every
+schedule lockstep rounds, receives posted ahead or a call early, DualPipe's F&B pairs, variable
+shapes (the transport's shape headers are the pass's) and a schedule file's own program. The
+fabric tests (``test_nccl_rules.py``) run the same programs over the NCCL-rules fabric.
+
+Until the executor interpreted programs, this file held the pass to the executor's own
+postings; the pass was equal to them on all 1258 programs of this grid when it took over."""
 
 import pytest
 
-from megatron_pp_ext.analysis.lowering import (LOCKSTEP, MEGATRON, lower, nccl_decision,
+from megatron_pp_ext.analysis.lowering import (LOCKSTEP, MEGATRON, lower, nccl_choice,
                                                nccl_post_ahead, nccl_posting, user_postings)
 from megatron_pp_ext.analysis.messages import (ACTIVATION, LockstepPosting, Message,
                                                 lockstep_postings)
 from megatron_pp_ext.analysis.user_program import load
 from megatron_pp_ext.ir import ScheduleError
+from megatron_pp_ext.program import Compute, Post, Wait
+from megatron_pp_ext.runtime.executor import Executor
 from megatron_pp_ext.schedules import build_schedule
-from support.executor_dry_run import executor_program
+from support.executor_dry_run import executed_program
 
 SCHEDULES = ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v", "dualpipev"]
 TWO_CHUNKS = {"interleaved", "zb-v", "dualpipev"}
@@ -30,77 +36,119 @@ def _build(name, p, m):
         return None
 
 
-def _assert_same(schedule, where, **how):
-    ours = lower(schedule, **how)
-    theirs = executor_program(schedule, postings=how.get("postings"),
-                              post_ahead=how.get("post_ahead", False),
-                              variable_shapes=how.get("variable_shapes", False))
+def _assert_runs_as_lowered(schedule, where, variable_shapes=False, **how):
+    program = lower(schedule, **how)
+    want = lower(schedule, variable_shapes=True, **how) if variable_shapes else program
+    ran = executed_program(schedule, program, variable_shapes=variable_shapes,
+                           pairs=how.get("overlapped_pairs", False))
     for rank in range(schedule.num_ranks):
-        assert ours.steps[rank] == theirs.steps[rank], (where, rank, ours.text(rank),
-                                                        theirs.text(rank))
+        assert ran.steps[rank] == want.steps[rank], (where, rank, want.text(rank),
+                                                     ran.text(rank))
 
 
 @pytest.mark.parametrize("name", SCHEDULES)
-def test_the_pass_posts_what_the_executor_posts_with_megatrons_fused_calls(name):
+def test_the_executor_runs_megatrons_fused_calls_as_lowered(name):
     """p 1..8 x m 1..16 for the schedules whose NCCL posting is Megatron's fused calls (the
-    others' fused programs fail NCCL's rules and are never run: the grid below has them)."""
+    others' fused programs fail NCCL's rules and run only off NCCL: the grid below has them)."""
     compared = 0
     sizes = ([(p, m) for p in range(1, 9) for m in range(1, 17)]
              if name in ("gpipe", "1f1b", "zb-h1") else GRID)
     for p, m in sizes:
         schedule = _build(name, p, m)
         if schedule is not None:
-            _assert_same(schedule, f"{name} p={p} m={m}", posting=MEGATRON)
+            _assert_runs_as_lowered(schedule, f"{name} p={p} m={m}", posting=MEGATRON)
             compared += 1
     assert compared == (sum(m >= p and (m % p == 0 or m % p >= p) for p, m in sizes)
                         if name == "interleaved" else len(sizes))
 
 
 @pytest.mark.parametrize("name", SCHEDULES)
-def test_the_pass_posts_what_the_executor_posts_in_lockstep_ahead_and_with_shapes(name):
+def test_the_executor_runs_every_other_posting_as_lowered(name):
     for p, m in GRID:
         schedule = _build(name, p, m)
         if schedule is None:
             continue
         where = f"{name} p={p} m={m}"
-        _assert_same(schedule, where + " lockstep", posting=LOCKSTEP,
-                     postings=lockstep_postings(schedule))
-        _assert_same(schedule, where + " ahead", posting=MEGATRON, post_ahead=True)
-        _assert_same(schedule, where + " shapes", posting=MEGATRON, variable_shapes=True)
+        _assert_runs_as_lowered(schedule, where + " lockstep", posting=LOCKSTEP)
+        _assert_runs_as_lowered(schedule, where + " ahead", post_ahead=True)
+        _assert_runs_as_lowered(schedule, where + " early", prefetch=True)
+        _assert_runs_as_lowered(schedule, where + " shapes", variable_shapes=True)
+        if name == "dualpipev":
+            _assert_runs_as_lowered(schedule, where + " pairs", overlapped_pairs=True,
+                                    prefetch=True)
+            _assert_runs_as_lowered(schedule, where + " lockstep pairs", posting=LOCKSTEP,
+                                    overlapped_pairs=True)
 
 
-def test_the_pass_posts_a_schedule_files_own_program_as_the_executor_does():
+def test_dualpipev_pairs_are_in_the_program():
+    """An F and the backward right after it run as one pair where the backward's input is
+    held: on rank 0 the last stage's I/B (its loss is here); the F's send then follows the
+    pair. Without pairs the same program has none."""
+    schedule = build_schedule("dualpipev", 4, 8)
+    paired = lower(schedule, overlapped_pairs=True)
+    pairs = [[f"{a.action}+{b.action}" for a, b in zip(steps, steps[1:])
+              if isinstance(a, Compute) and a.paired] for steps in paired.steps]
+    assert pairs[0] == ["0F4+7I0", "0F5+7I1", "0F6+7I2", "0F7+7B3"]
+    assert pairs[3] == ["4F4+3B0", "4F5+3B1", "4F6+3B2", "4F7+3B3"]
+    assert not any(isinstance(s, Compute) and s.paired for steps in lower(schedule).steps
+                   for s in steps)
+    # the pairs move posts, never compute order
+    assert [[s.action for s in steps if isinstance(s, Compute)] for steps in paired.steps] == [
+        [str(a) for a in actions] for actions in schedule.actions]
+
+
+def test_a_schedule_files_own_program_runs_as_written():
     """A 1F1B CSV at p=2, m=2 with its communication written out in lockstep batches (the
     program the lowering derives, round-tripped through its CSV form)."""
     schedule = build_schedule("1f1b", 2, 2)
     text = lower(schedule, LOCKSTEP).to_csv()
     loaded, program = load(text, name="own")
     postings = user_postings(loaded, program)
-    _assert_same(loaded, "own program", postings=postings)
-    _assert_same(loaded, "own program, shapes", postings=postings, variable_shapes=True)
+    _assert_runs_as_lowered(loaded, "own program", postings=postings)
+    _assert_runs_as_lowered(loaded, "own program, shapes", postings=postings,
+                            variable_shapes=True)
+    assert nccl_choice(loaded).program.steps == lower(loaded, postings=postings).steps
 
 
-def test_a_receive_out_of_the_senders_order_is_refused_by_both():
-    """A posting in which rank 1 first receives rank 0's second message (1F1 before 1F0):
-    the executor and the pass both refuse it with the same RuntimeError."""
+def test_a_receive_out_of_the_senders_order_is_refused():
+    """A posting in which rank 1 first receives rank 0's second message (1F1 before 1F0)."""
     schedule = build_schedule("gpipe", 2, 2)
     postings = lockstep_postings(schedule)
     postings[1] = LockstepPosting(after={}, before={0: [[Message(0, ACTIVATION, 1, 1)]]})
-    errors = []
-    for run in (lambda: lower(schedule, postings=postings),
-                lambda: executor_program(schedule, postings=postings)):
-        with pytest.raises(RuntimeError) as info:
-            run()
-        errors.append(str(info.value))
-    assert errors[0] == errors[1] and "posted out of rank 0's sending order" in errors[0]
+    with pytest.raises(RuntimeError, match="posted out of rank 0's sending order"):
+        lower(schedule, postings=postings)
+
+
+def test_a_program_that_does_not_fit_the_schedule_is_refused_before_it_runs():
+    """The executor reads the program's compute steps against the rank's action list, and
+    stops where a program would compute before it has received, or wait on what it never
+    posted."""
+    schedule = build_schedule("1f1b", 2, 2)
+    other = lower(build_schedule("gpipe", 2, 2))
+    with pytest.raises(ValueError, match=r"rank 1's compute step #1 is 1F1, but its action "
+                       r"list has 1B0 there"):
+        Executor(schedule, 1, None, None, recv_shape=None, dtype=None, device=None,
+                 program=other)
+    program = lower(schedule)
+    waitless = [s for s in program.steps[1] if not isinstance(s, Wait)]
+    program.steps[1], program.action_starts = waitless, []
+    with pytest.raises(RuntimeError, match=r"rank 1: 1F0 needs the forward tensor of "
+                       r"microbatch 0 from rank 0, which the program has not received"):
+        executed_program(schedule, program)
+    program = lower(schedule)
+    program.steps[0].append(Wait(99, op=0))
+    with pytest.raises(RuntimeError, match="waits on op 0 of batch #99, which it has not"):
+        executed_program(schedule, program)
+    assert any(isinstance(s, Post) for s in program.steps[0])
 
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb-v"])
-def test_the_drop_ins_one_check_decides_as_the_two_questions_do(name):
-    """nccl_decision (what the drop-in derives once per schedule) is nccl_posting and
-    nccl_post_ahead asked apart: gpipe posts ahead, 1f1b fuses, zb-v runs in lockstep."""
+def test_the_nccl_choice_answers_both_questions_from_one_check(name):
+    """nccl_choice (what the drop-in derives once per schedule): gpipe posts ahead, 1f1b
+    fuses, zb-v runs in lockstep."""
     schedule = _build(name, 4, 8)
-    decision = nccl_decision(schedule)
-    assert decision == (nccl_posting(schedule), nccl_post_ahead(schedule))
-    assert (decision[0] is None, decision[1]) == {
-        "gpipe": (True, True), "1f1b": (True, False), "zb-v": (False, False)}[name]
+    choice = nccl_choice(schedule)
+    assert (choice.postings is None, choice.post_ahead) == (
+        nccl_posting(schedule) is None, nccl_post_ahead(schedule))
+    assert (choice.posting, choice.post_ahead) == {
+        "gpipe": (MEGATRON, True), "1f1b": (MEGATRON, False), "zb-v": (LOCKSTEP, False)}[name]

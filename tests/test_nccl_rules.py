@@ -241,11 +241,15 @@ def test_the_fabric_hangs_where_the_checker_says():
     2F0's input, which rank 1 sent in a batch stuck behind its own unreceived send."""
     schedule = _build("interleaved", 2, 4)
     weights, inputs = stage_weights(4, WIDTH), microbatch_inputs(4, ROWS, WIDTH)
+    fused = lower(schedule, MEGATRON)  # not the checked program the fabric would get
+    with pytest.raises(ScheduleError, match="can hang under NCCL's rules"):
+        check_nccl_rules(fused)
 
     def rank_fn(rank, transport):
         work = RecordingWork(schedule, rank, weights, inputs)
         return Executor(schedule, rank, transport, work, recv_shape=(ROWS, WIDTH),
-                        dtype=torch.float64, device=torch.device("cpu"), timeout_s=2).run()
+                        dtype=torch.float64, device=torch.device("cpu"), timeout_s=2,
+                        program=fused).run()
 
     from megatron_pp_ext.runtime.errors import PipelineTimeoutError
 

@@ -8,7 +8,7 @@ import pytest
 from megatron_pp_ext.ir import ScheduleError
 from megatron_pp_ext.runtime.executor import Executor
 from megatron_pp_ext.runtime.inmemory import run_ranks_in_threads
-from megatron_pp_ext.analysis.lowering import nccl_program, user_postings
+from megatron_pp_ext.analysis.lowering import lower, nccl_program, user_postings
 from megatron_pp_ext.analysis.user_program import has_communication, load
 from megatron_pp_ext.schedules import build_schedule
 from support.emulated import microbatch_inputs, stage_weights
@@ -28,6 +28,7 @@ TORCH_1F1B = ("0F0,0SEND_F0,0F1,0SEND_F1,0RECV_B0,0B0,0RECV_B1,0B1\n"
 
 def _run(schedule, postings):
     fabric = NcclRulesFabric(schedule.num_ranks)
+    program = lower(schedule, postings=postings)  # the user's batches, as the executor runs them
     weights = stage_weights(schedule.num_stages, WIDTH)
     inputs = microbatch_inputs(schedule.num_microbatches, ROWS, WIDTH)
 
@@ -35,7 +36,7 @@ def _run(schedule, postings):
         work = RecordingWork(schedule, rank, weights, inputs)
         return Executor(schedule, rank, transport, work, recv_shape=(ROWS, WIDTH),
                         dtype=torch.float64, device=torch.device("cpu"), timeout_s=20,
-                        lockstep=postings[rank]).run(), work
+                        program=program).run(), work
 
     return run_ranks_in_threads(schedule.num_ranks, rank_fn, timeout_s=30, fabric=fabric), fabric
 

@@ -1,12 +1,15 @@
-"""Lower a schedule into the P2P program the executor runs on NCCL: per rank, the batches it
-posts (each of Megatron's fused calls is one ``batch_isend_irecv``) and where it waits on them
-(``analysis.program_pass``, from the action lists alone), and choose the posting: a schedule
-file's own program, else Megatron's fused calls where NCCL's rules allow them, else lockstep
-rounds; receives posted ahead where that is proven and never slower. ``check_nccl_rules``
-checks the chosen program before any rank sends a byte.
+"""Lower a schedule into the P2P program the executor runs (it interprets it): per rank, the
+batches it posts (each of Megatron's fused calls is one ``batch_isend_irecv``) and where it
+waits on them (``analysis.program_pass``, from the action lists alone), and choose the posting.
+On NCCL: a schedule file's own program, else Megatron's fused calls where NCCL's rules allow
+them, else lockstep rounds; receives posted ahead where that is proven and never slower;
+``check_nccl_rules`` checks the chosen program before any rank sends a byte. Elsewhere (gloo,
+in memory): Megatron's fused calls, receives posted a call early (``runtime_program``).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from ..ir import Schedule, ScheduleError
 from ..program import Program
@@ -22,57 +25,87 @@ MEGATRON, LOCKSTEP = "megatron", "lockstep"  # the executor's two ways of postin
 
 def lower(schedule: Schedule, posting: str = MEGATRON,
           variable_shapes: bool = False, post_ahead: bool = False,
-          postings: list | None = None) -> Program:
-    """The executor's P2P program for ``schedule`` on NCCL (``analysis.program_pass``):
-    ``megatron`` posting fuses a send with the next receive going the other way, as
-    Megatron's 1F1B does; ``lockstep`` posts one batch per round (``lockstep_posting``).
-    ``variable_shapes``: every call first exchanges its shape headers in a batch of its own and
-    waits on it, as the transport does on NCCL. ``postings``: each rank's lockstep-seam
-    posting given explicitly (a user's program, ``user_program.postings``)."""
+          postings: list | None = None, prefetch: bool = False,
+          overlapped_pairs: bool = False) -> Program:
+    """The P2P program for ``schedule`` (``analysis.program_pass``): ``megatron`` posting fuses
+    a send with the next receive going the other way, as Megatron's 1F1B does; ``lockstep``
+    posts one batch per round (``lockstep_posting``). ``variable_shapes``: every call first
+    exchanges its shape headers in a batch of its own and waits on it, as the transport does
+    on NCCL. ``postings``: each rank's lockstep-seam posting given explicitly (a user's
+    program, ``user_program.postings``). ``prefetch`` and ``overlapped_pairs``:
+    ``program_pass``'s rules of those names (the pairs only where the schedule has them:
+    DualPipeV)."""
     name = (f"schedule {schedule.name} (p={schedule.num_ranks}, "
             f"m={schedule.num_microbatches}, v={schedule.chunks}, {posting} "
             f"posting{', variable shapes' if variable_shapes else ''})")
     if postings is None and posting == LOCKSTEP:
         postings = lockstep_postings(schedule)
-    return lower_program(schedule, name, postings, post_ahead, variable_shapes)
+    pairs = overlapped_pairs and bool(schedule.options.get("overlapped_pairs"))
+    return lower_program(schedule, name, postings, post_ahead, variable_shapes, prefetch, pairs)
 
 
 USER = "user"  # a schedule file's own communication (analysis.user_program)
 
 
-def _checked_program(schedule: Schedule, variable_shapes: bool) -> tuple[str, Program, list]:
-    """(how, the program, each rank's lockstep-seam posting or None for Megatron's fused
-    calls): the file's own program, else Megatron's fused calls, else lockstep rounds; the
-    first whose program passes ``check_nccl_rules``."""
+@dataclass(frozen=True)
+class NcclChoice:
+    """How a schedule is posted on NCCL, and the program that posting gives, checked."""
+
+    posting: str  # USER, MEGATRON or LOCKSTEP
+    postings: list | None  # each rank's lockstep-seam posting; None: Megatron's fused calls
+    post_ahead: bool  # receives posted ahead (``nccl_post_ahead``)
+    overlapped_pairs: bool  # DualPipe's F&B pairs in one call (kept only where NCCL allows)
+    program: Program  # the checked program (shape headers included with variable shapes)
+
+
+def nccl_choice(schedule: Schedule, variable_shapes: bool = False,
+                overlapped_pairs: bool = False) -> NcclChoice:
+    """The posting on NCCL: the program a schedule file brought, else Megatron's fused calls
+    where NCCL's rules allow them (1F1B, GPipe, ZB-H1: every call and timer as Megatron's),
+    else lockstep rounds; receives posted ahead where ``nccl_post_ahead`` says so; the F&B
+    pairs where the model computes them in one call and the program with them passes too.
+    Raises ``ScheduleError`` (naming the ranks, the ops and the cycle) if no program passes
+    ``check_nccl_rules``: before any byte moves."""
     program = program_of(schedule)
-    if program is not None:
+    if program is not None:  # run as written: no pairs, nothing posted ahead
         postings = user_postings(schedule, program, variable_shapes)
-        return USER, lower(schedule, variable_shapes=variable_shapes, postings=postings), postings
+        return NcclChoice(USER, postings, False, False, lower(
+            schedule, variable_shapes=variable_shapes, postings=postings))
+    pairs = overlapped_pairs and bool(schedule.options.get("overlapped_pairs"))
     try:
-        program = lower(schedule, MEGATRON, variable_shapes)
-        check_nccl_rules(program)
-        return MEGATRON, program, None
+        choice = _derived_choice(schedule, variable_shapes, pairs)
     except ScheduleError:
-        pass
-    postings = lockstep_postings(schedule)
-    program = lower(schedule, variable_shapes=variable_shapes, postings=postings)
-    check_nccl_rules(program)
-    return LOCKSTEP, program, postings
+        if not pairs:
+            raise
+        # the pairs only save time: never at the price of a program that could hang
+        choice = _derived_choice(schedule, variable_shapes, False)
+    return choice
+
+
+def _derived_choice(schedule: Schedule, variable_shapes: bool, pairs: bool) -> NcclChoice:
+    try:
+        program = lower(schedule, MEGATRON, variable_shapes, overlapped_pairs=pairs)
+        check_nccl_rules(program)
+    except ScheduleError:
+        postings = lockstep_postings(schedule)
+        program = lower(schedule, variable_shapes=variable_shapes, postings=postings,
+                        overlapped_pairs=pairs)
+        check_nccl_rules(program)
+        return NcclChoice(LOCKSTEP, postings, False, pairs, program)
+    ahead = _ahead_program(schedule, variable_shapes, program, pairs)
+    return NcclChoice(MEGATRON, None, ahead is not None, pairs, ahead or program)
 
 
 def nccl_posting(schedule: Schedule, variable_shapes: bool = False) -> dict[int, object] | None:
-    """How the executor posts ``schedule`` on NCCL: the program a schedule file brought,
-    else None for Megatron's fused calls where NCCL's rules allow them (1F1B, GPipe, ZB-H1:
-    every call and timer as Megatron's), else each rank's lockstep posting. Raises
-    ``ScheduleError`` (naming the ranks, the ops and the cycle) if no program passes
-    ``check_nccl_rules``: before any byte moves."""
-    _, _, postings = _checked_program(schedule, variable_shapes)
+    """Each rank's lockstep posting on NCCL (``nccl_choice``), or None for Megatron's fused
+    calls."""
+    postings = nccl_choice(schedule, variable_shapes).postings
     return None if postings is None else dict(enumerate(postings))
 
 
 def user_postings(schedule: Schedule, program: Program,
                   variable_shapes: bool = False) -> list:
-    """The executor's postings for a user's own ``program`` (a CSV with communication):
+    """The postings that lower to a user's own ``program`` (a CSV with communication):
     lowered with them, every rank's batches must be the user's, op for op, and the result
     must pass ``check_nccl_rules``; otherwise ``ScheduleError`` before any byte moves."""
     postings = derive_postings(schedule, program)
@@ -104,22 +137,18 @@ _AHEAD_PROBES = (0.5, 1.0)
 
 
 def nccl_post_ahead(schedule: Schedule, variable_shapes: bool = False) -> bool:
-    """Whether the executor posts receives ahead on NCCL (``Executor(post_ahead=True)``): only
-    with Megatron's fused calls, where the program with receives posted ahead passes
-    ``check_nccl_rules`` and, timed under NCCL's rules at unit costs with messages of half
-    and one forward, is never slower and somewhere faster (GPipe: its receives then overlap
-    the forwards; 1F1B's are all fused already)."""
-    return _ahead_program(schedule, variable_shapes) is not None
+    """Whether receives are posted ahead on NCCL: only with Megatron's fused calls, where the
+    program with receives posted ahead passes ``check_nccl_rules`` and, timed under NCCL's
+    rules at unit costs with messages of half and one forward, is never slower and somewhere
+    faster (GPipe: its receives then overlap the forwards; 1F1B's are all fused already)."""
+    return nccl_choice(schedule, variable_shapes).post_ahead
 
 
-def _ahead_program(schedule: Schedule, variable_shapes: bool,
-                   checked: tuple | None = None) -> Program | None:
-    """The program with receives posted ahead where ``nccl_post_ahead`` allows it, else None
-    (``checked``: ``_checked_program``'s result, when the caller has it)."""
-    posting, program, _ = checked or _checked_program(schedule, variable_shapes)
-    if posting != MEGATRON:
-        return None
-    ahead = lower(schedule, MEGATRON, variable_shapes, post_ahead=True)
+def _ahead_program(schedule: Schedule, variable_shapes: bool, program: Program,
+                   pairs: bool) -> Program | None:
+    """Megatron's fused ``program`` with receives posted ahead where ``nccl_post_ahead``
+    allows it, else None."""
+    ahead = lower(schedule, MEGATRON, variable_shapes, post_ahead=True, overlapped_pairs=pairs)
     try:
         check_nccl_rules(ahead)
     except ScheduleError:
@@ -131,29 +160,35 @@ def _ahead_program(schedule: Schedule, variable_shapes: bool,
     return ahead if faster else None
 
 
-def nccl_decision(schedule: Schedule,
-                  variable_shapes: bool = False) -> tuple[dict[int, object] | None, bool]:
-    """``(nccl_posting, nccl_post_ahead)`` from one check of the program: what the drop-in
-    derives once per schedule before its first step on NCCL."""
-    checked = _checked_program(schedule, variable_shapes)
-    postings = checked[2]
-    ahead = _ahead_program(schedule, variable_shapes, checked) is not None
-    return (None if postings is None else dict(enumerate(postings))), ahead
-
-
 def nccl_posting_kind(schedule: Schedule, variable_shapes: bool = False) -> str:
     """Which program ``nccl_program`` is: ``user`` (the schedule file's own), ``megatron``
     (Megatron's fused calls) or ``lockstep``."""
-    return _checked_program(schedule, variable_shapes)[0]
+    return nccl_choice(schedule, variable_shapes).posting
 
 
 def nccl_program(schedule: Schedule, variable_shapes: bool = False) -> Program:
-    """The checked program the executor runs on NCCL (the posting ``nccl_posting`` picks,
-    receives posted ahead where ``nccl_post_ahead`` says so)."""
-    checked = _checked_program(schedule, variable_shapes)
-    return _ahead_program(schedule, variable_shapes, checked) or checked[1]
+    """The checked program the executor runs on NCCL (``nccl_choice``), shape headers
+    included with variable shapes."""
+    return nccl_choice(schedule, variable_shapes).program
 
 
-__all__ = ["MEGATRON", "LOCKSTEP", "USER", "lower", "nccl_decision", "nccl_posting",
-           "nccl_posting_kind",
-           "nccl_post_ahead", "nccl_program", "user_postings"]
+def runtime_program(schedule: Schedule, *, batched: bool, prefetch: bool = False,
+                    overlapped_pairs: bool = False, variable_shapes: bool = False,
+                    choice: NcclChoice | None = None) -> Program:
+    """The program the executor interprets. ``batched`` (NCCL): ``nccl_choice``'s program
+    (``choice``, when the caller has it), lowered without the shape headers, which the
+    transport exchanges inside each call; else Megatron's fused calls, receives posted a call
+    early with ``prefetch``, the F&B pairs with ``overlapped_pairs``."""
+    if not batched:
+        return lower(schedule, MEGATRON, prefetch=prefetch, overlapped_pairs=overlapped_pairs)
+    choice = choice or nccl_choice(schedule, variable_shapes, overlapped_pairs)
+    if not variable_shapes:
+        return choice.program
+    return lower(schedule, choice.posting if choice.postings is None else LOCKSTEP,
+                 post_ahead=choice.post_ahead, postings=choice.postings,
+                 overlapped_pairs=choice.overlapped_pairs)
+
+
+__all__ = ["MEGATRON", "LOCKSTEP", "USER", "NcclChoice", "lower", "nccl_choice", "nccl_posting",
+           "nccl_posting_kind", "nccl_post_ahead", "nccl_program", "runtime_program",
+           "user_postings"]

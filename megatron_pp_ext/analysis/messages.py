@@ -14,7 +14,7 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass
 
-from ..ir import BACKWARD_WEIGHT, FORWARD, Schedule
+from ..ir import BACKWARD_WEIGHT, FORWARD, Action, Schedule
 from ..schedules.validate import execute_in_order
 
 ACTIVATION, GRADIENT = "forward", "backward"  # what a message carries, in Megatron's words
@@ -63,6 +63,15 @@ MEGATRON_TIMERS = {
     "send_forward_recv_forward": "forward-send-forward-recv",
     "send_backward_recv_backward": "backward-send-backward-recv",
 }
+
+
+def message_of(op) -> Message:
+    """The message a program's op carries (``program.P2POp``: its label, ``forward 3F2``, is
+    the activation for stage 3, microbatch 2; its peer is the other rank)."""
+    carries, action = op.label.split()[-2:]
+    parsed = Action.parse(action)
+    return Message(op.peer, ACTIVATION if carries == ACTIVATION else GRADIENT, parsed.stage,
+                   parsed.microbatch)
 
 
 def call_name(send: Message | None, *recvs: Message) -> str:

@@ -1,9 +1,9 @@
-"""One pass ``Schedule -> Program``: the P2P program the executor posts on NCCL, derived from
-the action lists alone (no executor, no torch), in time linear in the number of actions.
+"""One pass ``Schedule -> Program``: the P2P program the executor runs (it interprets it: see
+``runtime/executor.py``), derived from the action lists alone (no torch), in time linear in the
+number of actions.
 
-Per rank it walks the action list as the executor does on its NCCL path (every call one batch,
-no receive posted ahead unless ``post_ahead``), with the same inbox rule (a peer's messages are
-received in the order that peer sends them):
+Per rank it walks the action list with one inbox rule (a peer's messages are received in the
+order that peer sends them) and these posting rules:
 
 - before action i: with a lockstep posting, its receive-only batches for the rounds the rank
   sits idle (``LockstepPosting.before[i]``);
@@ -11,25 +11,34 @@ received in the order that peer sends them):
   (earlier messages from the same peer are waited on first and held);
 - a B or I waits first for the send of the activation it consumes the gradient of
   (Megatron's ``deallocate_output_tensor`` frees it only once sent);
-- ``post_ahead``: the next action's receive, when it will not go fused with this action's
-  send, is posted before this action computes;
+- ``post_ahead`` (NCCL, where ``lowering`` proved it safe and faster): the next action's
+  receive, when it will not go fused with this action's send, is posted before this action
+  computes;
+- ``overlapped_pairs`` (DualPipeV with a model that computes an F&B pair in one call): an F
+  and the B or I right after it, on another stage, run as one pair when the B's input is
+  already held (received earlier or handed over on this rank); both sends follow the pair;
 - the action computes;
 - its send goes in one batch with the next action's receive when they go opposite ways
   (Megatron's ``send_forward_recv_backward`` / ``send_backward_recv_forward``), or, with a
   lockstep posting, with the receives of its round (``LockstepPosting.after[i]``);
+- ``prefetch`` (gloo, in memory: transports whose receives do not queue behind sends, and no
+  timer times the calls): after that, the next action's receive, when not fused, is posted at
+  once, so the peer's send is not held up while this rank finishes its bookkeeping;
 - at the end of the step, every send not yet waited on is waited on.
 
-``variable_shapes``: each call first exchanges its shape headers in a batch of its own and
-waits on it (the transport's NCCL path). ``tests/test_lowering_pass.py`` holds this pass to
-the executor's own postings, batch for batch, over every schedule and size of the fabric tests.
+Every ``Wait`` names the op it waits for (``Wait.op``); ``Program.action_starts`` marks where
+each action's steps begin (the runtime runs the action's hooks there, before its receives, as
+Megatron does). ``variable_shapes``: each call first exchanges its shape headers in a batch of
+its own and waits on it (the transport's NCCL path does this inside each call, so the program
+the executor interprets is lowered without them).
 """
 
 from __future__ import annotations
 
-from ..ir import FORWARD, Schedule
+from ..ir import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Schedule
 from ..program import RECV, SEND, Batch, Compute, P2POp, Post, Program, Wait
-from .messages import (ACTIVATION, CommPlan, Inbox, LockstepPosting, Message, call_name,
-                       comm_plan, sent_to_each_rank)
+from .messages import (ACTIVATION, GRADIENT, CommPlan, Inbox, LockstepPosting, Message,
+                       call_name, comm_plan, sent_to_each_rank)
 
 
 def op_label(message: Message) -> str:
@@ -53,17 +62,22 @@ class _RankPass:
 
     def __init__(self, schedule: Schedule, rank: int, plans: list[CommPlan],
                  incoming: dict[int, list[Message]], lockstep: LockstepPosting | None,
-                 post_ahead: bool, variable_shapes: bool):
-        self.rank = rank
+                 post_ahead: bool, variable_shapes: bool, prefetch: bool,
+                 overlapped_pairs: bool):
+        self.rank, self.last = rank, schedule.num_stages - 1
         self.actions = schedule.actions[rank]
         self.plans = plans
         self.lockstep = lockstep
         self.post_ahead = post_ahead and lockstep is None
+        self.prefetch = prefetch and lockstep is None
+        self.pairs = overlapped_pairs
         self.variable_shapes = variable_shapes
-        self.inbox = Inbox(incoming)  # the executor's: a receive in flight is its batch
+        self.inbox = Inbox(incoming)  # a receive in flight is (its batch, its op)
         self.unsent: dict[int, Message] = {}  # batch of an unwaited send -> its message
         self.unsent_activation: dict[tuple[int, int], int] = {}  # (stage, mb) -> batch
+        self.local: set[tuple] = set()  # tensors handed over between this rank's stages
         self.steps: list = []
+        self.starts: list[int] = []
         self.batches = 0
 
     # ---------------------------------------------------------------- posting and waiting
@@ -91,8 +105,9 @@ class _RankPass:
             header = self._batch(self._ops(send, recvs, True), f"{name} (shapes)")
             self.steps.append(Wait(header, "the shape headers"))
         index = self._batch(self._ops(send, recvs, False), name)
-        for message in recvs:
-            self.inbox.posted(message, index)
+        first_recv = 1 if send is not None else 0
+        for k, message in enumerate(recvs):
+            self.inbox.posted(message, (index, first_recv + k))
         if send is not None:
             self.unsent[index] = send
             if send.carries == ACTIVATION:
@@ -103,8 +118,8 @@ class _RankPass:
         while needed not in inbox.stash:
             if not inbox.in_flight[needed.peer]:
                 self._post(None, [inbox.next_from(needed.peer)])
-            message, index = inbox.oldest_in_flight(needed.peer)
-            self.steps.append(Wait(index))
+            message, (index, op) = inbox.oldest_in_flight(needed.peer)
+            self.steps.append(Wait(index, op=op))
             inbox.stash[message] = None
         del inbox.stash[needed]
 
@@ -112,57 +127,112 @@ class _RankPass:
         message = self.unsent.pop(index)
         if message.carries == ACTIVATION:
             self.unsent_activation.pop((message.stage, message.microbatch), None)
-        self.steps.append(Wait(index))
+        self.steps.append(Wait(index, op=0))
 
-    # ---------------------------------------------------------------- the walk
-    def run(self) -> list:
-        n = len(self.actions)
-        for i, action in enumerate(self.actions):
+    # ---------------------------------------------------------------- one action's steps
+    def _input(self, i: int) -> None:
+        """Receive (or take over locally) action i's input; before a B or I, wait for the
+        send of the activation whose gradient it computes."""
+        action, plan = self.actions[i], self.plans[i]
+        if plan.recv is not None:
+            self._take(plan.recv)
+        else:
+            self.local.discard(_local_key(action))
+        if action.kind != FORWARD:
+            index = self.unsent_activation.get((action.stage + 1, action.microbatch))
+            if index is not None:
+                self._finish_send(index)
+
+    def _output(self, i: int) -> None:
+        """Action i's output: handed over on this rank, or sent (fused, in its round)."""
+        action, plan = self.actions[i], self.plans[i]
+        if plan.send is None:
+            if action.kind == FORWARD and action.stage < self.last:
+                self.local.add((ACTIVATION, action.stage + 1, action.microbatch))
+            elif action.kind != FORWARD and action.stage > 0 \
+                    and action.kind != BACKWARD_WEIGHT:
+                self.local.add((GRADIENT, action.stage - 1, action.microbatch))
+        if self.lockstep is not None:
+            self._post(plan.send, list(self.lockstep.after.get(i, [])))
+            return
+        next_recv = self.plans[i + 1].recv if i + 1 < len(self.actions) else None
+        fused = None
+        if plan.send is not None and next_recv is not None \
+                and next_recv.carries != plan.send.carries:
+            fused = self.inbox.to_post(next_recv)
+        self._post(plan.send, [fused] if fused is not None else [])
+        if self.prefetch and fused is None and next_recv is not None:
+            early = self.inbox.to_post(next_recv)
+            if early is not None:
+                self._post(None, [early])
+
+    def _pairs_with_next(self, i: int) -> bool:
+        """DualPipe's pair: an F, then a B or I of another stage whose input is held."""
+        if not self.pairs or i + 1 >= len(self.actions):
+            return False
+        if self.lockstep is not None and self.lockstep.before.get(i + 1):
+            return False  # the pair would post a later round's receives before this send
+        first, second = self.actions[i], self.actions[i + 1]
+        if first.kind != FORWARD or second.kind not in (BACKWARD, BACKWARD_INPUT) \
+                or first.stage == second.stage:
+            return False
+        needed = self.plans[i + 1].recv
+        if needed is not None:
+            return needed in self.inbox.stash
+        return second.stage == self.last or _local_key(second) in self.local
+
+    def run(self) -> tuple[list, list[int]]:
+        n, i = len(self.actions), 0
+        while i < n:
+            self.starts.append(len(self.steps))
             if self.lockstep is not None:
                 for messages in self.lockstep.before.get(i, ()):
                     self._post(None, list(messages))
-            plan = self.plans[i]
-            if plan.recv is not None:
-                self._take(plan.recv)
-            if action.kind != FORWARD:  # its activation's send, before that output is freed
-                index = self.unsent_activation.get((action.stage + 1, action.microbatch))
-                if index is not None:
-                    self._finish_send(index)
+            self._input(i)
+            if self._pairs_with_next(i):
+                self.starts.append(len(self.steps))
+                self._input(i + 1)
+                self.steps.append(Compute(str(self.actions[i]), paired=True))
+                self.steps.append(Compute(str(self.actions[i + 1])))
+                self._output(i)
+                self._output(i + 1)
+                i += 2
+                continue
             if self.post_ahead and i + 1 < n:
-                needed = self.plans[i + 1].recv
-                if needed is not None and (plan.send is None
-                                           or plan.send.carries == needed.carries):
+                needed, send = self.plans[i + 1].recv, self.plans[i].send
+                if needed is not None and (send is None or send.carries == needed.carries):
                     early = self.inbox.to_post(needed)
                     if early is not None:
                         self._post(None, [early])
-            self.steps.append(Compute(str(action)))
-            if self.lockstep is not None:
-                self._post(plan.send, list(self.lockstep.after.get(i, [])))
-                continue
-            next_recv = self.plans[i + 1].recv if i + 1 < n else None
-            fused = None
-            if plan.send is not None and next_recv is not None \
-                    and next_recv.carries != plan.send.carries:
-                fused = self.inbox.to_post(next_recv)
-            self._post(plan.send, [fused] if fused is not None else [])
+            self.steps.append(Compute(str(self.actions[i])))
+            self._output(i)
+            i += 1
         for index in list(self.unsent):
             self._finish_send(index)
         if self.inbox.stash:
             raise RuntimeError(
                 f"rank {self.rank}: messages were left unconsumed at the end of the step: "
                 f"{sorted(map(str, self.inbox.stash))} (the schedule lacks their consumers)")
-        return self.steps
+        return self.steps, self.starts
+
+
+def _local_key(action) -> tuple:
+    kind = ACTIVATION if action.kind == FORWARD else GRADIENT
+    return (kind, action.stage, action.microbatch)
 
 
 def lower_program(schedule: Schedule, name: str, postings: list | None = None,
-                  post_ahead: bool = False, variable_shapes: bool = False) -> Program:
+                  post_ahead: bool = False, variable_shapes: bool = False,
+                  prefetch: bool = False, overlapped_pairs: bool = False) -> Program:
     """The program (see the module docstring); ``postings``: each rank's lockstep posting, or
     None for Megatron's fused calls."""
     plans = [comm_plan(schedule, rank) for rank in range(schedule.num_ranks)]
     incoming = sent_to_each_rank(schedule, plans=plans)
     program = Program(name)
     for rank in range(schedule.num_ranks):
-        program.steps.append(_RankPass(
+        steps, starts = _RankPass(
             schedule, rank, plans[rank], incoming[rank], postings[rank] if postings else None,
-            post_ahead, variable_shapes).run())
+            post_ahead, variable_shapes, prefetch, overlapped_pairs).run()
+        program.steps.append(steps)
+        program.action_starts.append(starts)
     return program

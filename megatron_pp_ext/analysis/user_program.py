@@ -1,23 +1,22 @@
 """A schedule CSV that brings its own communication (read by ``program.load``): run it as
 written.
 
-The executor runs such a program through its lockstep seam (``LockstepPosting``): a batch
+Such a program is lowered through the pass's lockstep rule (``LockstepPosting``): a batch
 that holds a send must come right after the action that produced it (with any receives it
 fuses), a receive-only batch goes before the next action. Where the host waits is the
-executor's (before data is read, before a sent output is freed), so ``WAIT`` cells are read
-and not followed. What the executor will post is lowered and compared batch by batch with the
-user's program, and checked against NCCL's rules, before any byte moves; a program it cannot
-post as written is refused, naming the rank and the first batch that differs.
+lowering's (before data is read, before a sent output is freed), so ``WAIT`` cells are read
+and not followed. The lowered program, which the executor runs, is compared batch by batch
+with the user's and checked against NCCL's rules before any byte moves; a program that
+cannot be posted as written is refused, naming the rank and the first batch that differs.
 """
 
 from __future__ import annotations
 
-from ..ir import Action, Schedule, ScheduleError
+from ..ir import Schedule, ScheduleError
 from ..program import (  # the file format; read from here too
     RECV,
     SEND,
     Compute,
-    P2POp,
     Post,
     Program,
     has_communication,
@@ -25,13 +24,7 @@ from ..program import (  # the file format; read from here too
     load,
     program_of,
 )
-from .messages import ACTIVATION, GRADIENT, LockstepPosting, Message, comm_plan
-
-def _message(op: P2POp) -> Message:
-    carries, action = op.label.split()[-2:]
-    parsed = Action.parse(action)
-    return Message(op.peer, ACTIVATION if carries == "forward" else GRADIENT, parsed.stage,
-                   parsed.microbatch)
+from .messages import LockstepPosting, Message, comm_plan, message_of
 
 
 def postings(schedule: Schedule, program: Program) -> list[LockstepPosting]:
@@ -51,10 +44,10 @@ def postings(schedule: Schedule, program: Program) -> list[LockstepPosting]:
                 continue
             batch = step.batch
             sends = [op for op in batch.ops if op.kind == SEND]
-            recvs = [_message(op) for op in batch.ops if op.kind == RECV]
+            recvs = [message_of(op) for op in batch.ops if op.kind == RECV]
             if sends:
                 produced = plans[done - 1].send if done else None
-                if len(sends) > 1 or produced is None or _message(sends[0]) != produced \
+                if len(sends) > 1 or produced is None or message_of(sends[0]) != produced \
                         or done - 1 in after:
                     raise ScheduleError(
                         f"rank {rank}: the executor cannot post batch #{batch.index} ({batch}) "

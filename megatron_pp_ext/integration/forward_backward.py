@@ -32,19 +32,18 @@ from megatron.core.pipeline_parallel.schedules import (
 from megatron.core.utils import get_model_config
 
 from .. import device as device_helper
-from ..analysis.lowering import nccl_decision
-from ..analysis.messages import Message, incoming_messages
+from ..analysis.lowering import runtime_program
 from ..ir import Schedule, ScheduleError
 from ..runtime import trace as tracing
 from ..runtime.errors import PipelineTimeoutError
-from ..runtime.executor import Executor, StepResult
+from ..runtime.executor import Executor, StepResult, compile_steps
 from ..runtime.transport import TorchDistTransport
 from ..schedules import AUTO, build_schedule, get_spec, schedule_layout
 from ..timeline import Timeline
 from . import agreement
 from .auto import AutoSchedule
 from .loss_relay import needs_relay, relay_losses, share_token_count
-from .megatron_stage import GradSync, MegatronStageWork
+from .megatron_stage import GradSync, MegatronStageWork, offers_overlapped_pairs
 from .options import PipelineOptions
 
 
@@ -70,8 +69,8 @@ class RunState:
     #: NCCL: failure notes published when the run last went well (read again after a failed
     #: step); a wait stops on a peer's note numbered above it
     failure_baseline: int | None = None
-    #: per schedule: what the executor derives from it once (the messages each peer sends
-    #: this rank, the NCCL posting); the schedule object is kept beside them, so an id is
+    #: per schedule: what the executor derives from it once (the program, lowered and
+    #: checked, and this rank's part of it compiled); the schedule object is kept beside them, so an id is
     #: never reused while cached
     _derived_cache: dict = field(default_factory=dict, repr=False)
 
@@ -82,25 +81,17 @@ class RunState:
             self.steps_run, self.auto = 0, None
         self.options = options
 
-    def incoming(self, schedule: Schedule, rank: int) -> dict[int, list[Message]]:
-        return self._derived(("incoming", rank), schedule,
-                             lambda: incoming_messages(schedule, rank))
-
-    def nccl_posting(self, schedule: Schedule, rank: int, variable_shapes: bool = False):
-        """This rank's lockstep posting on NCCL, or None for Megatron's fused calls; the
-        lowered program is checked against NCCL's rules once per schedule and shape mode
-        (ScheduleError, before any byte moves, if it could hang)."""
-        postings = self._nccl(schedule, variable_shapes)[0]
-        return None if postings is None else postings[rank]
-
-    def nccl_post_ahead(self, schedule: Schedule, variable_shapes: bool = False) -> bool:
-        """Whether receives are posted ahead on NCCL (``lowering.nccl_post_ahead``), decided
-        once per schedule and shape mode, from the same check as the posting."""
-        return self._nccl(schedule, variable_shapes)[1]
-
-    def _nccl(self, schedule: Schedule, variable_shapes: bool):
-        return self._derived(("nccl", variable_shapes), schedule,
-                             lambda: nccl_decision(schedule, variable_shapes))
+    def program_steps(self, schedule: Schedule, rank: int, *, batched: bool, prefetch: bool,
+                      overlapped_pairs: bool, variable_shapes: bool, timed: bool) -> list:
+        """This rank's part of the program the executor interprets (``lowering.runtime_program``),
+        compiled; lowered (and on NCCL checked against NCCL's rules: ScheduleError, before any
+        byte moves, if it could hang) once per schedule and posting."""
+        how = (batched, prefetch, overlapped_pairs, variable_shapes)
+        program = self._derived(("program", *how), schedule, lambda: runtime_program(
+            schedule, batched=batched, prefetch=prefetch, overlapped_pairs=overlapped_pairs,
+            variable_shapes=variable_shapes))
+        return self._derived(("steps", rank, timed, *how), schedule,
+                             lambda: compile_steps(program, rank, schedule, timed=timed))
 
     def _derived(self, what: tuple, schedule: Schedule, derive):
         key = (id(schedule), *what)
@@ -396,10 +387,13 @@ def run_step(
     recv_shape = None if variable else tuple(shapes[0])
     pipeline_dtype = config.pipeline_dtype or torch.float32
     transport = _transport_for(pp_group)
-    # NCCL: how this rank posts (checked against NCCL's rules before anything is sent)
-    batched = getattr(transport, "batched", False)
-    lockstep = state.nccl_posting(schedule, rank, variable) if batched else None
-    post_ahead = batched and lockstep is None and state.nccl_post_ahead(schedule, variable)
+    # what this rank posts and waits on (on NCCL checked against NCCL's rules before
+    # anything is sent)
+    steps = state.program_steps(
+        schedule, rank, batched=getattr(transport, "batched", False),
+        prefetch=getattr(transport, "prefetch_receives", False) and config.timers is None,
+        overlapped_pairs=offers_overlapped_pairs(models), variable_shapes=variable,
+        timed=config.timers is not None)
     first_timeout, later_timeout = options.timeouts(device_helper.group_timeout_s(pp_group))
     _first_step_checks(state, options, schedule, pp_group, rank, forward_only, recv_shape,
                        pipeline_dtype, variable, transport.device, first_timeout)
@@ -430,9 +424,7 @@ def run_step(
     executor = Executor(schedule, rank, transport, work, recv_shape=recv_shape,
                         dtype=pipeline_dtype,
                         device=transport.device, timeout_s=timeout, variable_shapes=variable,
-                        trace=options.trace, timers=config.timers,
-                        incoming=state.incoming(schedule, rank), lockstep=lockstep,
-                        post_ahead=post_ahead,
+                        trace=options.trace, timers=config.timers, steps=steps,
                         memory=(options.trace or measuring) if options.memory is None
                         else options.memory or measuring)
     transport.timeout_s = timeout  # its own waits inside a call (shape headers) too

@@ -135,6 +135,16 @@ class GradSync:
                     self.grad_sync[chunk](model.parameters())
 
 
+def _overlap_hook(chunk):
+    return getattr(_unwrapped(chunk), "overlapped_forward_backward", None)
+
+
+def offers_overlapped_pairs(model_chunks) -> bool:
+    """Whether a model chunk computes DualPipe's F&B pair in one call (its hook
+    ``overlapped_forward_backward``): then the program runs the pairs so."""
+    return any(callable(_overlap_hook(chunk)) for chunk in model_chunks)
+
+
 def _unwrapped(module):
     """The model inside DDP / Float16Module wrappers."""
     while hasattr(module, "module"):
@@ -173,10 +183,8 @@ class MegatronStageWork:
         # the hook ``overlapped_forward_backward(run_forward, run_backward) -> (out, grad)``,
         # which may run the two thunks concurrently (e.g. one's compute under the other's
         # all-to-all); without it the pair runs one action after the other.
-        hooks = [getattr(_unwrapped(chunk), "overlapped_forward_backward", None)
-                 for chunk in model_chunks]
-        if any(callable(hook) for hook in hooks):
-            self._overlap_hooks = hooks
+        if offers_overlapped_pairs(model_chunks):
+            self._overlap_hooks = [_overlap_hook(chunk) for chunk in model_chunks]
             self.overlapped_forward_backward = self._overlapped
 
     def _overlapped(self, f_action: Action, f_input, b_action: Action, b_grad):

@@ -1,17 +1,22 @@
-"""One executor for every schedule: runs one rank's action list.
+"""One executor for every schedule: it interprets one rank's part of a ``Program``.
 
-Communication is derived from the action list (``analysis/messages.py``). A send fuses with the next
-action's receive when they go opposite ways, as Megatron's ``send_forward_recv_backward`` /
-``send_backward_recv_forward``; receives are matched in each sender's order (the Inbox).
+The program (``program.py``, lowered by ``analysis/program_pass.py``; chosen for the transport by
+``analysis/lowering.py``) lists, per rank, its compute actions, the batches of point-to-point ops
+it posts and where it waits on them. The executor posts exactly those batches (one transport
+call each: one ``batch_isend_irecv`` on NCCL), waits exactly where the program says, and runs
+each action's hooks where the program says the action begins. It has no posting rules of its
+own: a new way of posting is a new lowering pass.
 
 What an action computes is the ``StageWork``'s business (Megatron's forward_step /
 backward_step in production, toy stages in tests); the executor moves tensors, counts
-held activations, keeps a history for timeouts and, when asked, records a trace.
+held activations, frees sent outputs once their sends complete (Megatron's
+``deallocate_output_tensor``), keeps a history for timeouts and, when asked, records a trace.
 """
 
 from __future__ import annotations
 
 import collections
+import os
 import re
 import time
 from dataclasses import dataclass, field
@@ -19,21 +24,14 @@ from typing import Callable, Protocol
 
 import torch
 
-from ..ir import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action, Schedule
+from ..ir import BACKWARD, BACKWARD_WEIGHT, FORWARD, Action, Schedule
 from ..timeline import COMM_WAIT, COMPUTE, Event
 from .. import device as device_helper
 from .errors import PeerFailedError, PeerReported, PipelineTimeoutError
-from ..analysis.messages import (
-    ACTIVATION,
-    GRADIENT,
-    MEGATRON_TIMERS,
-    Inbox,
-    LockstepPosting,
-    Message,
-    call_name,
-    comm_plan,
-    incoming_messages,
-)
+from ..analysis.lowering import runtime_program
+from ..analysis.messages import (ACTIVATION, GRADIENT, MEGATRON_TIMERS, Message, comm_plan,
+                                 message_of)
+from ..program import Compute, Post, Program, Wait
 from .memory import ActivationMemory
 from .transport import RecvRequest, TransportTimeout
 
@@ -74,8 +72,6 @@ class StepResult:
 def memory_measured() -> bool:
     """Whether executors measure activation bytes when not told (MEGATRON_PP_EXT_MEMORY=1;
     off by default: the walk costs host time on every F, like tracing)."""
-    import os
-
     return os.environ.get("MEGATRON_PP_EXT_MEMORY", "0").strip().lower() not in (
         "0", "false", "no", "off")
 
@@ -104,46 +100,111 @@ def connection_lost(exc: BaseException) -> bool:
         marker in str(exc).lower() for marker in _CONNECTION_LOST)
 
 
+def program_for(schedule: Schedule, transport, work, timers=None,
+                variable_shapes: bool = False) -> Program:
+    """The program an executor runs when its caller gives none (``lowering.runtime_program``
+    with what the transport and the work say about themselves): on NCCL the checked program,
+    else Megatron's fused calls with receives posted a call early where the transport gains
+    from it (gloo, in memory) and no timer times the calls; DualPipe's F&B pairs in one call
+    where the work computes them so."""
+    return runtime_program(
+        schedule, batched=getattr(transport, "batched", False),
+        prefetch=getattr(transport, "prefetch_receives", False) and timers is None,
+        overlapped_pairs=callable(getattr(work, "overlapped_forward_backward", None)),
+        variable_shapes=variable_shapes)
+
+
+# The compiled steps of one rank: (_BEGIN, i), (_COMPUTE, i, paired), (_WAIT, batch, op),
+# (_POST, batch, send message | None, [receive messages], call name, timed until its wait)
+_BEGIN, _COMPUTE, _WAIT, _POST = range(4)
+
+
+def compile_steps(program: Program, rank: int, schedule: Schedule,
+                  timed: bool = False) -> list[tuple]:
+    """Rank ``rank``'s part of ``program`` as the executor runs it; ValueError where its
+    compute steps are not the rank's action list. ``timed``: decide for each call whether
+    Megatron's timer runs until its receive is waited on (the rank waits for it before it
+    computes anything else and before it posts another call of the timer: as Megatron's
+    blocking calls) or covers the post only."""
+    actions = [str(a) for a in schedule.actions[rank]]
+    starts = None  # step -> the actions that begin there (a pair's two may share one)
+    if program.action_starts:
+        starts = collections.defaultdict(list)
+        for i, k in enumerate(program.action_starts[rank]):
+            starts[k].append(i)
+    out: list[tuple] = []
+    done = 0
+    steps = program.steps[rank]
+    for k, step in enumerate(steps):
+        if starts is not None:
+            out.extend((_BEGIN, i) for i in starts.get(k, ()))
+        if isinstance(step, Compute):
+            if done >= len(actions) or actions[done] != step.action:
+                raise ValueError(
+                    f"{program.name}: rank {rank}'s compute step #{done} is {step.action}, but "
+                    f"its action list has {actions[done] if done < len(actions) else 'no more'} "
+                    "there: the program was lowered from another schedule")
+            if starts is None:
+                out.append((_BEGIN, done))
+            out.append((_COMPUTE, done, step.paired))
+            done += 1
+        elif isinstance(step, Wait):
+            out.append((_WAIT, step.batch, step.op))
+        elif isinstance(step, Post):
+            messages = [message_of(op) for op in step.batch.ops]
+            sends = [m for op, m in zip(step.batch.ops, messages) if op.kind == "send"]
+            recvs = [m for op, m in zip(step.batch.ops, messages) if op.kind == "recv"]
+            if len(sends) > 1 or (sends and step.batch.ops[0].kind != "send"):
+                raise ValueError(f"{program.name}: {step.batch}: the executor posts one send "
+                                 "per call, first in its batch")
+            until_wait = timed and len(recvs) == 1 and _waited_before_compute(
+                steps, k, step.batch)
+            out.append((_POST, step.batch.index, sends[0] if sends else None, recvs,
+                        step.batch.call, until_wait))
+    if done != len(actions):
+        raise ValueError(f"{program.name}: rank {rank}'s program computes {done} of its "
+                         f"{len(actions)} actions")
+    return out
+
+
+def _waited_before_compute(steps: list, k: int, batch) -> bool:
+    timer = MEGATRON_TIMERS.get(batch.call)
+    for step in steps[k + 1:]:
+        if isinstance(step, Compute):
+            return False
+        if isinstance(step, Wait) and step.batch == batch.index:
+            return True
+        if isinstance(step, Post) and MEGATRON_TIMERS.get(step.batch.call) == timer:
+            return False
+    return False
+
+
 class Executor:
     _memory: ActivationMemory | None = None  # set per step by run() (activation bytes)
     _device_probe = None
 
     def __init__(self, schedule: Schedule, rank: int, transport, work: StageWork, *,
                  recv_shape: tuple | None, dtype: torch.dtype, device: torch.device,
-                 timeout_s: float = 600.0, variable_shapes: bool = False,
-                 trace: bool = False, clock: Callable[[], float] = time.perf_counter,
-                 timers=None, incoming: dict[int, list[Message]] | None = None,
-                 lockstep: LockstepPosting | None = None, post_ahead: bool = False,
-                 memory: bool | None = None):
+                 program: Program | None = None, timeout_s: float = 600.0,
+                 variable_shapes: bool = False, trace: bool = False,
+                 clock: Callable[[], float] = time.perf_counter, timers=None,
+                 memory: bool | None = None, steps: list[tuple] | None = None):
         self.schedule, self.rank, self.transport, self.work = schedule, rank, transport, work
-        # What each peer sends this rank, in its order (a caller running many steps of one
-        # schedule passes it in, derived once).
-        self.incoming = incoming if incoming is not None else incoming_messages(schedule, rank)
-        # A lockstep program (NCCL, where the fusion above could hang: see lowering.py):
-        # after each action one batch with its send and every receive its peers' actions of
-        # the same round send; receive-only batches for the rounds this rank sits idle.
-        self.lockstep = lockstep
         self.recv_shape, self.dtype, self.device = recv_shape, dtype, device
         self.timeout_s, self.variable_shapes = timeout_s, variable_shapes
         self.trace, self.clock = trace, clock
         self.timers = timers  # Megatron's config.timers: each call is timed as Megatron does
-        self.open_timers: dict[Message, str] = {}  # receives whose call's timer still runs
         self.actions = schedule.actions[rank]
         self.plans = comm_plan(schedule, rank)
+        # What this rank runs: the caller's program (the drop-in passes the one it checked),
+        # else the one for this transport (``program_for``); ``steps``: already compiled.
+        if steps is None:
+            if program is None:
+                program = program_for(schedule, transport, work, timers, variable_shapes)
+            steps = compile_steps(program, rank, schedule, timed=timers is not None)
+        self.steps = steps
         # Activations are held until a B, or a W, frees them; a forward-only list holds none.
         self.frees_activations = any(a.kind != FORWARD for a in self.actions)
-        # Receives posted one action ahead where that cannot block a send (gloo, in memory:
-        # not NCCL, whose same-peer operations queue behind each other) and where no one
-        # times the calls (Megatron's timers time each call where Megatron makes it).
-        self.prefetch = getattr(transport, "prefetch_receives", False) and timers is None
-        # NCCL, where the lowering proved it safe (``lowering.nccl_post_ahead``): the next
-        # action's receive, when it is not fused with this action's send, is posted before
-        # this action computes, so its transfer overlaps the compute (as Megatron's
-        # overlap_p2p_comm does). Its call is then timed at posting only.
-        self.post_ahead = post_ahead and lockstep is None
-        # DualPipeV's F&B pairs run in one call when the work (the model) offers one.
-        self.overlap = bool(schedule.options.get("overlapped_pairs")) and callable(
-            getattr(work, "overlapped_forward_backward", None))
         # activation bytes (runtime/memory.py): with memory=True, or, when not given,
         # MEGATRON_PP_EXT_MEMORY=1 in the environment (the walk costs ~0.15 ms of host time
         # per layer and F: the drop-in measures only traced or auto-measuring steps)
@@ -154,75 +215,95 @@ class Executor:
         self._events: list[Event] = []
         self._calls = collections.Counter()
         self._local: dict[tuple, object] = {}  # tensors handed between stages of this rank
-        self._unsent: list[tuple] = []  # (send handle, output, message) until the send is done
-        self._inbox = Inbox(self.incoming)
+        self._stash: dict[Message, object] = {}  # received, waiting for their action
+        self._outgoing: dict[Message, object] = {}  # computed, waiting for their post
+        self._receiving: dict[tuple, tuple] = {}  # (batch, op) -> (handle, message)
+        self._unsent: dict[tuple, tuple] = {}  # (batch, op) -> (handle, output, message)
+        self._unsent_activation: dict[tuple, tuple] = {}  # (stage, mb) -> (batch, op)
+        self._reaped: set[tuple] = set()  # sends found complete before their wait
+        self._open_timers: dict[int, str] = {}  # batch -> its call's timer, until its wait
+        self._next = 0  # the next action to compute
+        self._paired: int | None = None  # an F waiting for its pair's B
         self._held = self._peak = 0
         self._start_memory()
         begin = getattr(self.work, "begin", None)
-        i = 0
-        while i < len(self.actions):
-            action = self.actions[i]
-            if begin is not None:
-                begin(action)
-            if self.lockstep is not None:
-                for messages in self.lockstep.before.get(i, ()):
-                    self._post(None, None, messages)
-            incoming = self._input_of(i, action)
-            if self._can_overlap(i):
-                # DualPipe's overlapped F&B pair, when the model computes it in one call
-                # and the backward's input is already here (never waited for early).
-                partner = self.actions[i + 1]
-                if begin is not None:
-                    begin(partner)
-                partner_in = self._input_of(i + 1, partner)
-                start = self.clock() if self.trace else 0.0
-                produced, partner_out = self.work.overlapped_forward_backward(
-                    action, incoming, partner, partner_in)
-                self._attribute(action, produced)
-                self._attribute(partner, partner_out)
-                self._count(action)
-                self._count(partner)
-                self._record(start, f"{action}+{partner}")
-                self._emit(i, action, produced)
-                self._emit(i + 1, partner, partner_out)
-                i += 2
-                continue
-            if self.post_ahead:
-                self._post_next_receive(i)
-            start = self.clock() if self.trace else 0.0
-            produced = self._compute(action, incoming)
-            self._record(start, str(action))
-            self._emit(i, action, produced)
-            i += 1
-
-        for handle, output, message in self._unsent:
-            self._finish_send(handle, message)
-            self._release(output, message)
-        if self._local or self._inbox.stash:
+        for step in self.steps:
+            tag = step[0]
+            if tag == _POST:
+                self._post(*step[1:])
+            elif tag == _WAIT:
+                self._wait_step(step[1], step[2])
+            elif tag == _COMPUTE:
+                self._compute_step(step[1], step[2])
+            elif begin is not None:
+                begin(self.actions[step[1]])
+        for key in list(self._unsent):  # a program read from a file may not wait on them
+            self._wait_step(*key)
+        left = (sorted(self._local) + [str(m) for m in self._stash]
+                + [str(m) for m in self._outgoing] + [str(m) for _, m in self._receiving.values()])
+        if left:
             raise RuntimeError(
                 f"rank {self.rank}: tensors were left unconsumed at the end of the step: "
-                f"{sorted(self._local) + [str(m) for m in self._inbox.stash]} (the schedule "
-                "lacks their consumers)")
+                f"{left} (the schedule lacks their consumers, or the program their posts "
+                "and waits)")
         stats = getattr(self.work, "weight_grad_stats", None)
         result = StepResult(list(self.actions), self._peak, self._calls, self._events,
                             weight_grads=stats() if callable(stats) else None)
         self._finish_memory(result)
         return result
 
+    # ------------------------------------------------------------------ compute steps
+    def _compute_step(self, i: int, paired: bool) -> None:
+        self._next = i + 1
+        if paired:  # DualPipe's overlapped F&B pair: computed with the next compute step
+            self._paired = i
+            return
+        action = self.actions[i]
+        if self._paired is not None:
+            first = self.actions[self._paired]
+            self._paired = None
+            incoming, partner_in = self._input_of(i - 1, first), self._input_of(i, action)
+            start = self.clock() if self.trace else 0.0
+            produced, partner_out = self.work.overlapped_forward_backward(
+                first, incoming, action, partner_in)
+            self._attribute(first, produced)
+            self._attribute(action, partner_out)
+            self._count(first)
+            self._count(action)
+            self._record(start, f"{first}+{action}")
+            self._output(i - 1, first, produced)
+            self._output(i, action, partner_out)
+        else:
+            incoming = self._input_of(i, action)
+            start = self.clock() if self.trace else 0.0
+            produced = self._compute(action, incoming)
+            self._record(start, str(action))
+            self._output(i, action, produced)
+        self._reap()
+
     def _input_of(self, i: int, action: Action):
-        """Receive (or take over locally) what ``action`` needs."""
+        """What ``action`` needs: received (the program waited for it) or handed over here."""
         plan = self.plans[i]
         if plan.recv is not None:
-            incoming = self._take(plan.recv, action)
+            if plan.recv not in self._stash:
+                raise RuntimeError(
+                    f"rank {self.rank}: {action} needs the {plan.recv.carries} tensor of "
+                    f"microbatch {plan.recv.microbatch} from rank {plan.recv.peer}, which the "
+                    "program has not received by then")
+            incoming = self._stash.pop(plan.recv)
             if plan.recv.carries == ACTIVATION and incoming.is_floating_point():
                 incoming.requires_grad_(True)
         else:
             incoming = self._local.pop(self._local_key(action), None)
         if action.kind == FORWARD and self._memory is not None:
             self._memory.note_input(incoming)
-        if action.kind != FORWARD:
+        if action.kind != FORWARD and (action.stage + 1, action.microbatch) \
+                in self._unsent_activation:
             # Megatron's backward wants the sent output already deallocated.
-            self._settle_output_of(action)
+            raise RuntimeError(
+                f"rank {self.rank}: {action} runs before the program waits for the send of "
+                f"the activation it computes the gradient of (stage {action.stage + 1}, "
+                f"microbatch {action.microbatch})")
         return incoming
 
     def _compute(self, action: Action, incoming):
@@ -251,63 +332,87 @@ class Executor:
             self._events.append(Event(self.rank, label, start, self.clock(), COMPUTE))
         self._history.append(label)
 
-    def _emit(self, i: int, action: Action, produced) -> None:
-        """Hand the output over locally, or send it in one call with the next receive."""
+    def _output(self, i: int, action: Action, produced) -> None:
+        """Hand the output over on this rank, or keep it for the post that sends it."""
         plan = self.plans[i]
-        if plan.send is None and produced is not None:
-            self._hand_over(action, produced)
-        send = (produced, plan.send.peer) if plan.send is not None else None
-        if send is not None:
-            self._check_outgoing(produced, plan.send, action)
-        if self.lockstep is not None:
-            handle = self._post(send, plan.send, self.lockstep.after.get(i, []))
-            if handle is not None:
-                self._unsent.append((handle, produced, plan.send))
-            self._reap()
+        if plan.send is None:
+            if produced is not None:
+                self._hand_over(action, produced)
             return
-        # As Megatron: a send fuses with the next action's receive when they go opposite
-        # ways (send_forward_recv_backward, send_backward_recv_forward); any other receive
-        # is posted when its action starts.
-        next_recv = self.plans[i + 1].recv if i + 1 < len(self.actions) else None
-        to_post = None
-        if send is not None and next_recv is not None and next_recv.carries != plan.send.carries:
-            to_post = self._inbox.to_post(next_recv)
-        handle = self._post(send, plan.send, [to_post] if to_post is not None else [])
-        if handle is not None:
-            self._unsent.append((handle, produced, plan.send))
-        if to_post is None and next_recv is not None and self.prefetch:
-            # Post the next receive now: a gloo send completes only once its receive is
-            # posted, so the peer is not held up while this rank finishes its bookkeeping.
-            early = self._inbox.to_post(next_recv)
-            if early is not None:
-                self._post(None, None, [early])
+        self._check_outgoing(produced, plan.send, action)
+        self._outgoing[plan.send] = produced
+
+    # ------------------------------------------------------------------ posts and waits
+    def _post(self, index: int, send_message: Message | None, recvs: list[Message],
+              name: str, until_wait: bool) -> None:
+        """One call (one batch) for a send and/or receives, as the program lists it."""
+        send = None
+        if send_message is not None:
+            if send_message not in self._outgoing:
+                raise RuntimeError(
+                    f"rank {self.rank}: the program posts the send of {send_message} in batch "
+                    f"#{index} before the action that computes it")
+            send = (self._outgoing.pop(send_message), send_message.peer)
+        self._calls[name] += 1
+        timer = MEGATRON_TIMERS.get(name) if self.timers is not None else None
+        if timer is not None:
+            self.timers(timer, log_level=2).start()
+        requests = [RecvRequest(m.peer, self.recv_shape, self.dtype, self.device)
+                    for m in recvs]
+        try:
+            if len(requests) <= 1:
+                send_handle, recv_handle = self.transport.exchange(
+                    send, requests[0] if requests else None, self.variable_shapes)
+                recv_handles = [recv_handle] if requests else []
+            else:
+                send_handle, recv_handles = self.transport.exchange_many(
+                    send, requests, self.variable_shapes)
+        except RuntimeError as exc:
+            peer = recvs[0].peer if recvs else send[1]
+            self._raise_if_lost(exc, peer, f"posting {name} (rank {peer})", 0.0)
+            raise
+        first = 1 if send is not None else 0
+        for k, (message, handle) in enumerate(zip(recvs, recv_handles)):
+            self._receiving[(index, first + k)] = (handle, message)
+        if send is not None:
+            self._unsent[(index, 0)] = (send_handle, send[0], send_message)
+            if send_message.carries == ACTIVATION:
+                self._unsent_activation[(send_message.stage, send_message.microbatch)] = (
+                    index, 0)
+        if timer is not None:
+            if until_wait and recvs:
+                self._open_timers[index] = timer
+            else:
+                self.timers(timer).stop()
         self._reap()
 
-    def _post_next_receive(self, i: int) -> None:
-        """Post action i+1's receive now, unless it will go fused with action i's send."""
-        if i + 1 >= len(self.actions):
+    def _wait_step(self, index: int, op: int | None) -> None:
+        if op is None:  # the whole batch
+            for key in sorted(k for k in (*self._receiving, *self._unsent) if k[0] == index):
+                self._wait_step(*key)
             return
-        needed, send = self.plans[i + 1].recv, self.plans[i].send
-        if needed is None or (send is not None and send.carries != needed.carries):
-            return
-        early = self._inbox.to_post(needed)
-        if early is not None:
-            self._post(None, None, [early], time_post_only=True)
+        key = (index, op)
+        if key in self._receiving:
+            handle, message = self._receiving.pop(key)
+            action = self.actions[min(self._next, len(self.actions) - 1)]
+            self._stash[message] = self._wait(handle, message, action)
+            needed = self.plans[self._next].recv if self._next < len(self.actions) else None
+            if message != needed:  # an early arrival: it waits, held, for a later action
+                self._sample_memory()
+            if index in self._open_timers:
+                self.timers(self._open_timers.pop(index)).stop()
+        elif key in self._unsent:
+            handle, output, message = self._unsent.pop(key)
+            self._settled(message)
+            self._finish_send(handle, message)
+            self._release(output, message)
+        elif key not in self._reaped:
+            raise RuntimeError(f"rank {self.rank}: the program waits on op {op} of batch "
+                               f"#{index}, which it has not posted")
 
-    def _can_overlap(self, i: int) -> bool:
-        if not self.overlap or i + 1 >= len(self.actions):
-            return False
-        if self.lockstep is not None and self.lockstep.before.get(i + 1):
-            return False  # the pair would post a later round's receives before this send
-        first, second = self.actions[i], self.actions[i + 1]
-        if first.kind != FORWARD or second.kind not in (BACKWARD, BACKWARD_INPUT) \
-                or first.stage == second.stage:
-            return False
-        needed = self.plans[i + 1].recv
-        if needed is not None:
-            return needed in self._inbox.stash
-        return (second.stage == self.schedule.num_stages - 1
-                or self._local_key(second) in self._local)
+    def _settled(self, message: Message) -> None:
+        if message.carries == ACTIVATION:
+            self._unsent_activation.pop((message.stage, message.microbatch), None)
 
     # ------------------------------------------------------------------ helpers
     def _local_key(self, action: Action):
@@ -337,55 +442,6 @@ class Executor:
                 "config.variable_seq_lengths=True when microbatches differ in length"
             )
 
-    def _post(self, send, send_message: Message | None, recvs: list[Message],
-              time_post_only: bool = False):
-        """One call (one batch) for a send and/or receives; returns the send's handle."""
-        if send is None and not recvs:
-            return None
-        name = call_name(send_message if send is not None else None, *recvs)
-        self._calls[name] += 1
-        timer = MEGATRON_TIMERS.get(name) if self.timers is not None else None
-        # Megatron's timer of a call runs until its receive is waited on; a lockstep program
-        # posts the next call of the same name before that, so there only the post is timed.
-        time_post_only = time_post_only or self.lockstep is not None
-        if timer is not None:
-            self.timers(timer, log_level=2).start()
-        requests = [RecvRequest(m.peer, self.recv_shape, self.dtype, self.device)
-                    for m in recvs]
-        try:
-            if len(requests) <= 1:
-                send_handle, recv_handle = self.transport.exchange(
-                    send, requests[0] if requests else None, self.variable_shapes)
-                recv_handles = [recv_handle] if requests else []
-            else:
-                send_handle, recv_handles = self.transport.exchange_many(
-                    send, requests, self.variable_shapes)
-        except RuntimeError as exc:
-            peer = recvs[0].peer if recvs else send[1]
-            self._raise_if_lost(exc, peer, f"posting {name} (rank {peer})", 0.0)
-            raise
-        for message, handle in zip(recvs, recv_handles):
-            self._inbox.posted(message, handle)
-            if timer is not None and not time_post_only:
-                self.open_timers[message] = timer
-        if timer is not None and (time_post_only or not recvs):
-            self.timers(timer).stop()
-        return send_handle
-
-    def _take(self, needed: Message, action: Action):
-        """The tensor ``action`` needs; earlier messages from the same peer land in the stash."""
-        inbox = self._inbox
-        while needed not in inbox.stash:
-            if not inbox.in_flight[needed.peer]:
-                self._post(None, None, [inbox.next_from(needed.peer)])
-            message, handle = inbox.oldest_in_flight(needed.peer)
-            inbox.stash[message] = self._wait(handle, message, action)
-            if message != needed:  # an early arrival: it waits, held, for a later action
-                self._sample_memory()
-            if message in self.open_timers:
-                self.timers(self.open_timers.pop(message)).stop()
-        return inbox.stash.pop(needed)
-
     def _wait(self, handle, message: Message, action: Action) -> torch.Tensor:
         start = self.clock()
         pending = (f"{action} (microbatch {action.microbatch}) waiting for the "
@@ -413,27 +469,15 @@ class Executor:
                                       self.clock(), COMM_WAIT))
         return tensor
 
-    def _settle_output_of(self, action: Action) -> None:
-        still = []
-        for handle, output, message in self._unsent:
-            if (message.carries == ACTIVATION and message.microbatch == action.microbatch
-                    and message.stage == action.stage + 1):
-                self._finish_send(handle, message)
-                self.work.deallocate(output)
-            else:
-                still.append((handle, output, message))
-        self._unsent = still
-
     def _reap(self) -> None:
         """Free outputs whose sends completed (Megatron's deallocate_output_tensor)."""
-        still = []
-        for handle, output, message in self._unsent:
+        for key, (handle, output, message) in list(self._unsent.items()):
             if handle.done():
                 handle.wait(self.timeout_s, self.transport.poll)
+                del self._unsent[key]
+                self._reaped.add(key)
+                self._settled(message)
                 self._release(output, message)
-            else:
-                still.append((handle, output, message))
-        self._unsent = still
 
     def _release(self, output, message: Message) -> None:
         # Only sent activations are freed (Megatron's deallocate_output_tensor); a gradient
@@ -494,7 +538,7 @@ class Executor:
             return
         held = getattr(self.work, "held_tensors", None)
         self._memory.sample(held() if callable(held) else (),
-                            (self._inbox.stash_tensors(), list(self._local.values())))
+                            (list(self._stash.values()), list(self._local.values())))
 
     def _finish_memory(self, result: StepResult) -> None:
         if self._memory is None:

@@ -1,45 +1,46 @@
-"""The executor's own P2P program, recorded: each rank's executor runs once against a
-recording transport on its NCCL code path, with work that computes nothing. This was the
-lowering until ``analysis.program_pass`` derived the program from the action lists; it stays
-here as the oracle that holds the pass to what the executor does
-(``tests/test_lowering_pass.py``)."""
+"""What the executor really posts and waits on, recorded: each rank's executor runs a given
+program against a recording transport, with work that computes nothing, so the record can be
+held to the program (``tests/test_lowering_pass.py``). The recorder takes the transport's
+side of each call as ``runtime/transport.py`` does on NCCL: with variable shapes, the shape
+headers in a batch of their own, waited on, before the payload's batch."""
 
 from __future__ import annotations
 
 import torch
 
-from megatron_pp_ext.analysis.messages import Message, call_name, sent_to_each_rank
-from megatron_pp_ext.analysis.program_pass import op_label as _label
-from megatron_pp_ext.analysis.program_pass import torch_op_name as _torch_name
+from megatron_pp_ext.analysis.program_pass import op_label, torch_op_name
 from megatron_pp_ext.ir import Schedule
 from megatron_pp_ext.program import RECV, SEND, Batch, Compute, P2POp, Post, Program, Wait
+from megatron_pp_ext.analysis.messages import message_of
 from megatron_pp_ext.runtime.executor import Executor
 
 _TOKEN = torch.zeros(1)
 
 
 class _Handle:
-    def __init__(self, recorder: "_Recorder", batch: int, tensor=None):
-        self.recorder, self.batch, self.tensor = recorder, batch, tensor
+    def __init__(self, recorder: "_Recorder", batch: int, op: int, tensor=None):
+        self.recorder, self.batch, self.op, self.tensor = recorder, batch, op, tensor
 
-    def done(self) -> bool:  # never "already done": the executor then waits where it must
+    def done(self) -> bool:  # never "already done": the executor then waits where it says
         return False
 
     def wait(self, timeout_s: float, poll: bool = False):
-        self.recorder.steps.append(Wait(self.batch))
+        self.recorder.steps.append(Wait(self.batch, op=self.op))
         return self.tensor
 
 
 class _Recorder:
-    """A transport on its NCCL code path that records instead of communicating."""
+    """A transport on NCCL's code path that records instead of communicating; it learns what
+    each op carries from the program's own batches (``expect``), in posting order."""
 
-    poll = True  # NCCL: waits are polled, nothing is posted ahead
+    poll = True
     prefetch_receives = False
+    batched = True
     device = torch.device("cpu")
 
-    def __init__(self, rank: int):
+    def __init__(self, rank: int, program: Program):
         self.rank, self.steps, self.batches = rank, [], 0
-        self.labels: tuple = (None, None)  # (send message, receive message) of the next call
+        self.expected = [b for b in program.batches(rank)]
 
     def exchange(self, send, recv, variable_shapes: bool):
         send_handle, recv_handles = self.exchange_many(
@@ -47,27 +48,28 @@ class _Recorder:
         return send_handle, (recv_handles[0] if recv_handles else None)
 
     def exchange_many(self, send, recvs, variable_shapes: bool):
-        send_message, recv_messages = self.labels
-        name = call_name(send_message if send is not None else None, *recv_messages)
+        batch = self.expected.pop(0)  # what the executor was told to post here
+        messages = [message_of(op) for op in batch.ops]
+        sent = [m for op, m in zip(batch.ops, messages) if op.kind == SEND]
+        received = [m for op, m in zip(batch.ops, messages) if op.kind == RECV]
+        if send is None:
+            sent = []
+        assert [r.peer for r in recvs] == [m.peer for m in received], (batch, recvs)
         if variable_shapes:
-            # The transport's NCCL path: the shape headers in a batch of their own, waited
-            # on (inside the call) before the payload batch is posted.
-            header = self._post(self._ops(send, recvs, "shape of "), f"{name} (shapes)")
+            header = self._post(self._ops(sent, received, "shape of "), f"{batch.call} (shapes)")
             self.steps.append(Wait(header, "the shape headers"))
-        index = self._post(self._ops(send, recvs), name)
-        return (_Handle(self, index) if send is not None else None,
-                [_Handle(self, index, _TOKEN.clone()) for _ in recvs])
+        index = self._post(self._ops(sent, received), batch.call)
+        first = 1 if send is not None else 0
+        return (_Handle(self, index, 0) if send is not None else None,
+                [_Handle(self, index, first + k, _TOKEN.clone()) for k in range(len(recvs))])
 
-    def _ops(self, send, recvs, what: str = "") -> list[P2POp]:
-        send_message, recv_messages = self.labels
-        ops = []
-        if send is not None:
-            ops.append(P2POp(SEND, send[1], what + _label(send_message),
-                             ("HEADER_" if what else "") + _torch_name(send_message, SEND)))
-        ops.extend(P2POp(RECV, request.peer, what + _label(message),
-                         ("HEADER_" if what else "") + _torch_name(message, RECV))
-                   for request, message in zip(recvs, recv_messages))
-        return ops
+    @staticmethod
+    def _ops(sent, received, what: str = "") -> list[P2POp]:
+        prefix = "HEADER_" if what else ""
+        return ([P2POp(SEND, m.peer, what + op_label(m), prefix + torch_op_name(m, SEND))
+                 for m in sent]
+                + [P2POp(RECV, m.peer, what + op_label(m), prefix + torch_op_name(m, RECV))
+                   for m in received])
 
     def _post(self, ops: list[P2POp], call: str) -> int:
         index = self.batches
@@ -96,29 +98,27 @@ class _NoWork:
         return None
 
 
-class _LabellingExecutor(Executor):
-    def _post(self, send, send_message, recvs, time_post_only: bool = False):
-        self.transport.labels = (send_message, list(recvs))
-        return super()._post(send, send_message, recvs, time_post_only)
+class _PairingWork(_NoWork):
+    def overlapped_forward_backward(self, f_action, f_input, b_action, b_grad):
+        self.recorder.steps.append(Compute(str(f_action), paired=True))
+        out = _TOKEN.clone()
+        return out, self.backward(b_action, b_grad)
 
 
-
-
-def executor_program(schedule: Schedule, postings: list | None = None, post_ahead: bool = False,
-                     variable_shapes: bool = False) -> Program:
-    """What each rank's executor posts and waits on for ``schedule`` on NCCL (``postings``:
-    each rank's lockstep posting, or None for Megatron's fused calls)."""
-    program = Program(f"the executor's postings of {schedule.name}")
-    incoming = sent_to_each_rank(schedule)
+def executed_program(schedule: Schedule, program: Program, variable_shapes: bool = False,
+                     pairs: bool = False) -> Program:
+    """What each rank's executor posts, waits on and computes when it runs ``program`` (lowered
+    without shape headers; ``variable_shapes``: the recorder adds them as the transport does;
+    ``pairs``: the work computes an F&B pair in one call)."""
+    record = Program(f"the executor running {program.name}")
     for rank in range(schedule.num_ranks):
-        recorder = _Recorder(rank)
-        _LabellingExecutor(schedule, rank, recorder, _NoWork(recorder), recv_shape=None,
-                           dtype=torch.float32, device=torch.device("cpu"),
-                           variable_shapes=variable_shapes, incoming=incoming[rank],
-                           lockstep=postings[rank] if postings else None,
-                           post_ahead=post_ahead).run()
-        program.steps.append(recorder.steps)
-    return program
+        recorder = _Recorder(rank, program)
+        work = (_PairingWork if pairs else _NoWork)(recorder)
+        Executor(schedule, rank, recorder, work, recv_shape=None, dtype=torch.float32,
+                 device=torch.device("cpu"), variable_shapes=variable_shapes,
+                 program=program).run()
+        record.steps.append(recorder.steps)
+    return record
 
 
-__all__ = ["executor_program", "Message"]
+__all__ = ["executed_program"]

@@ -12,7 +12,6 @@ from support.emulated import (
 )
 from megatron_pp_ext.runtime.executor import Executor
 from megatron_pp_ext.runtime.inmemory import run_ranks_in_threads
-from megatron_pp_ext.analysis.lowering import nccl_post_ahead, nccl_posting
 from support.nccl_fabric import NcclRulesFabric
 
 WIDTH, ROWS = 6, 3
@@ -47,11 +46,8 @@ def run_inmemory(schedule, delays=None, costs: EmulatedCosts | None = None, time
     process has its own; threads must not share one)."""
     weights = stage_weights(schedule.num_stages, WIDTH)
     inputs = microbatch_inputs(schedule.num_microbatches, ROWS, WIDTH)
-    posting, ahead = None, False
-    if nccl_rules:
+    if nccl_rules:  # its transport is batched: the executor runs the checked NCCL program
         fabric = fabric or NcclRulesFabric(schedule.num_ranks)
-        posting = nccl_posting(schedule, variable_shapes)
-        ahead = posting is None and nccl_post_ahead(schedule, variable_shapes)
 
     def rank_fn(rank, transport):
         delay = delays[rank] if delays else 0.0
@@ -59,9 +55,7 @@ def run_inmemory(schedule, delays=None, costs: EmulatedCosts | None = None, time
         executor = Executor(schedule, rank, transport, work, recv_shape=(ROWS, WIDTH),
                             dtype=torch.float64, device=torch.device("cpu"),
                             timeout_s=timeout_s, trace=trace, variable_shapes=variable_shapes,
-                            timers=timers[rank] if timers else None,
-                            lockstep=posting[rank] if posting else None, post_ahead=ahead,
-                            memory=True)
+                            timers=timers[rank] if timers else None, memory=True)
         return executor.run(), work
 
     return run_ranks_in_threads(schedule.num_ranks, rank_fn, timeout_s=timeout_s + 10,
