@@ -340,11 +340,12 @@ def test_backend_of_a_group_whose_backends_torch_chose(monkeypatch):
 
 # ------------------------------------------------------------------ the harness catches hangs
 def _fused_calls_only(rank, world_size, runs):
-    """Spawn target: ``run_steps_under_rules`` with the plugin posting Megatron's fused calls
-    for every schedule (no lockstep rounds): its posting before lockstep existed."""
+    """Spawn target: ``run_steps_under_rules`` with the plugin running Megatron's fused calls
+    for every schedule, unchecked (no lockstep rounds): its posting before lockstep existed."""
+    from megatron_pp_ext.analysis.lowering import MEGATRON, lower
     from megatron_pp_ext.integration import forward_backward
 
-    forward_backward.RunState.nccl_posting = lambda self, schedule, rank, *shape_mode: None
+    forward_backward.runtime_program = lambda schedule, **how: lower(schedule, MEGATRON)
     return run_steps_under_rules(rank, world_size, runs)
 
 
