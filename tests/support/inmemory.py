@@ -10,6 +10,7 @@ from support.emulated import (
     microbatch_inputs,
     stage_weights,
 )
+from megatron_pp_ext.analysis.lowering import runtime_program
 from megatron_pp_ext.runtime.executor import Executor
 from megatron_pp_ext.runtime.inmemory import run_ranks_in_threads
 from support.nccl_fabric import NcclRulesFabric
@@ -46,8 +47,14 @@ def run_inmemory(schedule, delays=None, costs: EmulatedCosts | None = None, time
     process has its own; threads must not share one)."""
     weights = stage_weights(schedule.num_stages, WIDTH)
     inputs = microbatch_inputs(schedule.num_microbatches, ROWS, WIDTH)
-    if nccl_rules:  # its transport is batched: the executor runs the checked NCCL program
+    if nccl_rules:
         fabric = fabric or NcclRulesFabric(schedule.num_ranks)
+    # what every rank's executor would pick for its transport (``executor.program_for``),
+    # lowered once for all of them: on the fabric (batched) the checked NCCL program
+    program = runtime_program(
+        schedule, batched=nccl_rules, prefetch=not nccl_rules and not timers,
+        overlapped_pairs=callable(getattr(RecordingWork, "overlapped_forward_backward", None)),
+        variable_shapes=variable_shapes)
 
     def rank_fn(rank, transport):
         delay = delays[rank] if delays else 0.0
@@ -55,7 +62,8 @@ def run_inmemory(schedule, delays=None, costs: EmulatedCosts | None = None, time
         executor = Executor(schedule, rank, transport, work, recv_shape=(ROWS, WIDTH),
                             dtype=torch.float64, device=torch.device("cpu"),
                             timeout_s=timeout_s, trace=trace, variable_shapes=variable_shapes,
-                            timers=timers[rank] if timers else None, memory=True)
+                            timers=timers[rank] if timers else None, memory=True,
+                            program=program)
         return executor.run(), work
 
     return run_ranks_in_threads(schedule.num_ranks, rank_fn, timeout_s=timeout_s + 10,
