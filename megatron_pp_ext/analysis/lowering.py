@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 from ..ir import Schedule, ScheduleError
 from ..program import Program
-from .messages import lockstep_postings
+from .messages import comm_plan, lockstep_postings
 from .nccl_rules import check_nccl_rules
 from .nccl_timing import unit_cost_makespan
-from .program_pass import lower_program
+from .program_pass import lower_program, lower_program_lazily
 from .user_program import postings as derive_postings
 from .user_program import program_of
 
@@ -26,7 +26,7 @@ MEGATRON, LOCKSTEP = "megatron", "lockstep"  # the executor's two ways of postin
 def lower(schedule: Schedule, posting: str = MEGATRON,
           variable_shapes: bool = False, post_ahead: bool = False,
           postings: list | None = None, prefetch: bool = False,
-          overlapped_pairs: bool = False) -> Program:
+          overlapped_pairs: bool = False, plans: list | None = None) -> Program:
     """The P2P program for ``schedule`` (``analysis.program_pass``): ``megatron`` posting fuses
     a send with the next receive going the other way, as Megatron's 1F1B does; ``lockstep``
     posts one batch per round (``lockstep_posting``). ``variable_shapes``: every call first
@@ -34,14 +34,19 @@ def lower(schedule: Schedule, posting: str = MEGATRON,
     on NCCL. ``postings``: each rank's lockstep-seam posting given explicitly (a user's
     program, ``user_program.postings``). ``prefetch`` and ``overlapped_pairs``:
     ``program_pass``'s rules of those names (the pairs only where the schedule has them:
-    DualPipeV)."""
-    name = (f"schedule {schedule.name} (p={schedule.num_ranks}, "
-            f"m={schedule.num_microbatches}, v={schedule.chunks}, {posting} "
-            f"posting{', variable shapes' if variable_shapes else ''})")
+    DualPipeV). ``plans``: every rank's ``messages.comm_plan``, when the caller has them."""
+    name = _name(schedule, posting, variable_shapes)
     if postings is None and posting == LOCKSTEP:
-        postings = lockstep_postings(schedule)
+        postings = lockstep_postings(schedule, plans=plans)
     pairs = overlapped_pairs and bool(schedule.options.get("overlapped_pairs"))
-    return lower_program(schedule, name, postings, post_ahead, variable_shapes, prefetch, pairs)
+    return lower_program(schedule, name, postings, post_ahead, variable_shapes, prefetch, pairs,
+                         plans)
+
+
+def _name(schedule: Schedule, posting: str, variable_shapes: bool) -> str:
+    return (f"schedule {schedule.name} (p={schedule.num_ranks}, m={schedule.num_microbatches}, "
+            f"v={schedule.chunks}, {posting} posting"
+            f"{', variable shapes' if variable_shapes else ''})")
 
 
 USER = "user"  # a schedule file's own communication (analysis.user_program)
@@ -83,16 +88,19 @@ def nccl_choice(schedule: Schedule, variable_shapes: bool = False,
 
 
 def _derived_choice(schedule: Schedule, variable_shapes: bool, pairs: bool) -> NcclChoice:
-    try:
-        program = lower(schedule, MEGATRON, variable_shapes, overlapped_pairs=pairs)
-        check_nccl_rules(program)
+    plans = [comm_plan(schedule, rank) for rank in range(schedule.num_ranks)]
+    try:  # lowered as the check plays it: where the fused calls hang, they do so early
+        program, feeds = lower_program_lazily(schedule, _name(schedule, MEGATRON,
+                                                              variable_shapes),
+                                              None, False, variable_shapes, False, pairs, plans)
+        check_nccl_rules(program, feeds)
     except ScheduleError:
-        postings = lockstep_postings(schedule)
+        postings = lockstep_postings(schedule, plans=plans)
         program = lower(schedule, variable_shapes=variable_shapes, postings=postings,
-                        overlapped_pairs=pairs)
+                        overlapped_pairs=pairs, plans=plans)
         check_nccl_rules(program)
         return NcclChoice(LOCKSTEP, postings, False, pairs, program)
-    ahead = _ahead_program(schedule, variable_shapes, program, pairs)
+    ahead = _ahead_program(schedule, variable_shapes, program, pairs, plans)
     return NcclChoice(MEGATRON, None, ahead is not None, pairs, ahead or program)
 
 
@@ -145,10 +153,13 @@ def nccl_post_ahead(schedule: Schedule, variable_shapes: bool = False) -> bool:
 
 
 def _ahead_program(schedule: Schedule, variable_shapes: bool, program: Program,
-                   pairs: bool) -> Program | None:
+                   pairs: bool, plans: list) -> Program | None:
     """Megatron's fused ``program`` with receives posted ahead where ``nccl_post_ahead``
     allows it, else None."""
-    ahead = lower(schedule, MEGATRON, variable_shapes, post_ahead=True, overlapped_pairs=pairs)
+    ahead = lower(schedule, MEGATRON, variable_shapes, post_ahead=True, overlapped_pairs=pairs,
+                  plans=plans)
+    if ahead.steps == program.steps:  # every receive is fused already (1F1B): nothing to gain
+        return None
     try:
         check_nccl_rules(ahead)
     except ScheduleError:

@@ -183,12 +183,13 @@ def lockstep_posting(schedule: Schedule, rank: int,
     return lockstep_postings(schedule, rounds)[rank]
 
 
-def lockstep_postings(schedule: Schedule,
-                      rounds: list[list[int]] | None = None) -> list[LockstepPosting]:
-    """``lockstep_posting`` of every rank, from one pass over the plans."""
+def lockstep_postings(schedule: Schedule, rounds: list[list[int]] | None = None,
+                      plans: list[list[CommPlan]] | None = None) -> list[LockstepPosting]:
+    """``lockstep_posting`` of every rank, from one pass over the plans (``plans``: every
+    rank's ``comm_plan``, when the caller has them)."""
     rounds = rounds or lockstep_rounds(schedule)
     return [_posting(rounds[rank], per_peer)
-            for rank, per_peer in enumerate(sent_to_each_rank(schedule, rounds))]
+            for rank, per_peer in enumerate(sent_to_each_rank(schedule, rounds, plans))]
 
 
 def _posting(mine: list[int], per_peer: dict[int, list]) -> LockstepPosting:

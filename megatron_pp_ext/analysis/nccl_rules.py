@@ -25,10 +25,17 @@ from collections import defaultdict
 from ..ir import ScheduleError
 from ..program import RECV, SEND, Batch, Compute, P2POp, Post, Program, Wait
 
-def check_nccl_rules(program: Program) -> None:
-    """Raise ``ScheduleError`` if ``program`` can hang or mismatch messages under NCCL."""
+def check_nccl_rules(program: Program, feeds: list | None = None) -> None:
+    """Raise ``ScheduleError`` if ``program`` can hang or mismatch messages under NCCL.
+    ``feeds``: per rank, an iterator that extends the rank's steps as it is advanced
+    (``program_pass.lower_program_lazily``): the play lowers only as far as it gets, so a
+    program that hangs early costs only its start; one that passes ends lowered whole."""
+    if feeds is None:
+        _check_pairing(program)
+        _Player(program).play()
+        return
+    _Player(program, feeds).play()
     _check_pairing(program)
-    _Player(program).play()
 
 
 def _check_pairing(program: Program) -> None:
@@ -60,9 +67,10 @@ def _check_pairing(program: Program) -> None:
 class _Player:
     """Plays every rank's program under NCCL's rules until all finish or nothing moves."""
 
-    def __init__(self, program: Program):
+    def __init__(self, program: Program, feeds: list | None = None):
         self.program = program
         n = len(program.steps)
+        self.feeds = list(feeds) if feeds is not None else [None] * n
         self.host = [0] * n  # next step of each rank's host
         self.posted: list[list[Batch]] = [[] for _ in range(n)]
         self.head = [0] * n  # each rank's running batch (index into posted), stream order
@@ -85,9 +93,20 @@ class _Player:
         if stuck:
             raise ScheduleError(self._explain(stuck))
 
+    def _more(self, rank: int) -> bool:
+        """Whether the rank's program has a step at its host: lowered further if need be."""
+        steps = self.program.steps[rank]
+        while self.host[rank] >= len(steps):
+            feed = self.feeds[rank]
+            if feed is None:
+                return False
+            if next(feed, StopIteration) is StopIteration:
+                self.feeds[rank] = None
+        return True
+
     def _advance_host(self, rank: int) -> bool:
         steps, moved = self.program.steps[rank], False
-        while self.host[rank] < len(steps):
+        while self._more(rank):
             step = steps[self.host[rank]]
             if isinstance(step, Wait) and (rank, step.batch) not in self.done:
                 break

@@ -19,6 +19,7 @@ for its slowest member. Pure: no torch, no communication.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections import defaultdict
 
@@ -30,6 +31,7 @@ from .nccl_rules import check_nccl_rules
 _MESSAGE = re.compile(r"(forward|backward) (\d+)[FB]\d+$")
 
 
+@functools.lru_cache(maxsize=1 << 16)  # the labels of a few programs timed in a row
 def _sending_stage(label: str) -> int:
     """The stage that sends the message ``label`` names ("forward 3F2": stage 2 sends it)."""
     match = _MESSAGE.search(label)
@@ -64,6 +66,11 @@ def unit_cost_makespan(program: Program, schedule: Schedule, t_comm: float) -> f
     clock = _Clock(program, duration, [t_comm] * stages)
     clock.run()
     return max((e.end for e in clock.events), default=0.0)
+
+
+@functools.lru_cache(maxsize=1 << 16)  # the actions of a few programs timed in a row
+def _parsed(text: str) -> Action:
+    return Action.parse(text)
 
 
 class _Clock:
@@ -109,7 +116,7 @@ class _Clock:
             elif isinstance(step, Post):
                 self._post(rank, step.batch)
             elif isinstance(step, Compute):
-                action = Action.parse(step.action)
+                action = _parsed(step.action)
                 end = self.now[rank] + self.duration[action.kind][action.stage]
                 self.events.append(Event(rank, step.action, self.now[rank], end, COMPUTE))
                 self.now[rank] = end

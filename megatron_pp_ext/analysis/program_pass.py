@@ -57,13 +57,33 @@ def torch_op_name(message: Message, kind: str) -> str:
     return f"{stage}{kind.upper()}_{'F' if forward else 'B'}{message.microbatch}"
 
 
+class _Ops:
+    """Each op once: a message's send and receive (and their shape headers) are the same
+    ``P2POp`` wherever they are posted, so a large program holds one object and one label
+    per op, not one per use; Megatron's call names once per combination."""
+
+    def __init__(self):
+        self.ops: dict[tuple, P2POp] = {}
+        self.calls: dict[tuple, str] = {}
+
+    def op_of(self, message: Message, kind: str, header: bool) -> P2POp:
+        key = (message, kind, header)
+        op = self.ops.get(key)
+        if op is None:
+            what, prefix = ("shape of ", "HEADER_") if header else ("", "")
+            op = self.ops[key] = P2POp(kind, message.peer, what + op_label(message),
+                                       prefix + torch_op_name(message, kind))
+        return op
+
+
 class _RankPass:
     """One rank's walk; ``steps`` is its part of the program."""
 
     def __init__(self, schedule: Schedule, rank: int, plans: list[CommPlan],
                  incoming: dict[int, list[Message]], lockstep: LockstepPosting | None,
                  post_ahead: bool, variable_shapes: bool, prefetch: bool,
-                 overlapped_pairs: bool):
+                 overlapped_pairs: bool, shared: _Ops):
+        self.op_of, self.calls = shared.op_of, shared.calls
         self.rank, self.last = rank, schedule.num_stages - 1
         self.actions = schedule.actions[rank]
         self.plans = plans
@@ -88,19 +108,16 @@ class _RankPass:
         return index
 
     def _ops(self, send: Message | None, recvs: list[Message], header: bool) -> list[P2POp]:
-        what, prefix = ("shape of ", "HEADER_") if header else ("", "")
-        ops = []
-        if send is not None:
-            ops.append(P2POp(SEND, send.peer, what + op_label(send),
-                             prefix + torch_op_name(send, SEND)))
-        ops.extend(P2POp(RECV, m.peer, what + op_label(m), prefix + torch_op_name(m, RECV))
-                   for m in recvs)
-        return ops
+        ops = [self.op_of(m, RECV, header) for m in recvs]
+        return ops if send is None else [self.op_of(send, SEND, header), *ops]
 
     def _post(self, send: Message | None, recvs: list[Message]) -> None:
         if send is None and not recvs:
             return
-        name = call_name(send, *recvs)
+        kinds = (send.carries if send is not None else None, *[m.carries for m in recvs])
+        name = self.calls.get(kinds)
+        if name is None:
+            name = self.calls[kinds] = call_name(send, *recvs)
         if self.variable_shapes:
             header = self._batch(self._ops(send, recvs, True), f"{name} (shapes)")
             self.steps.append(Wait(header, "the shape headers"))
@@ -182,6 +199,13 @@ class _RankPass:
         return second.stage == self.last or _local_key(second) in self.local
 
     def run(self) -> tuple[list, list[int]]:
+        for _ in self.walk():
+            pass
+        return self.steps, self.starts
+
+    def walk(self):
+        """Lower action by action, yielding after each (``steps`` grows as it goes), so a
+        check can stop as soon as a program is known to hang."""
         n, i = len(self.actions), 0
         while i < n:
             self.starts.append(len(self.steps))
@@ -197,6 +221,7 @@ class _RankPass:
                 self._output(i)
                 self._output(i + 1)
                 i += 2
+                yield
                 continue
             if self.post_ahead and i + 1 < n:
                 needed, send = self.plans[i + 1].recv, self.plans[i].send
@@ -207,13 +232,13 @@ class _RankPass:
             self.steps.append(Compute(str(self.actions[i])))
             self._output(i)
             i += 1
+            yield
         for index in list(self.unsent):
             self._finish_send(index)
         if self.inbox.stash:
             raise RuntimeError(
                 f"rank {self.rank}: messages were left unconsumed at the end of the step: "
                 f"{sorted(map(str, self.inbox.stash))} (the schedule lacks their consumers)")
-        return self.steps, self.starts
 
 
 def _local_key(action) -> tuple:
@@ -223,16 +248,34 @@ def _local_key(action) -> tuple:
 
 def lower_program(schedule: Schedule, name: str, postings: list | None = None,
                   post_ahead: bool = False, variable_shapes: bool = False,
-                  prefetch: bool = False, overlapped_pairs: bool = False) -> Program:
+                  prefetch: bool = False, overlapped_pairs: bool = False,
+                  plans: list[list[CommPlan]] | None = None) -> Program:
     """The program (see the module docstring); ``postings``: each rank's lockstep posting, or
-    None for Megatron's fused calls."""
-    plans = [comm_plan(schedule, rank) for rank in range(schedule.num_ranks)]
-    incoming = sent_to_each_rank(schedule, plans=plans)
-    program = Program(name)
-    for rank in range(schedule.num_ranks):
-        steps, starts = _RankPass(
-            schedule, rank, plans[rank], incoming[rank], postings[rank] if postings else None,
-            post_ahead, variable_shapes, prefetch, overlapped_pairs).run()
-        program.steps.append(steps)
-        program.action_starts.append(starts)
+    None for Megatron's fused calls; ``plans``: every rank's ``comm_plan``, when the caller
+    has them."""
+    program, feeds = lower_program_lazily(schedule, name, postings, post_ahead,
+                                          variable_shapes, prefetch, overlapped_pairs, plans)
+    for feed in feeds:
+        for _ in feed:
+            pass
     return program
+
+
+def lower_program_lazily(schedule: Schedule, name: str, postings: list | None = None,
+                         post_ahead: bool = False, variable_shapes: bool = False,
+                         prefetch: bool = False, overlapped_pairs: bool = False,
+                         plans: list[list[CommPlan]] | None = None) -> tuple[Program, list]:
+    """``lower_program``'s program with every rank's steps still empty, and per rank a feed
+    (an iterator) whose every step lowers one more action into them: a check that plays the
+    program (``nccl_rules.check_nccl_rules(program, feeds)``) lowers only as far as it gets."""
+    plans = plans or [comm_plan(schedule, rank) for rank in range(schedule.num_ranks)]
+    incoming = sent_to_each_rank(schedule, plans=plans)
+    program, shared, feeds = Program(name), _Ops(), []
+    for rank in range(schedule.num_ranks):
+        walk = _RankPass(schedule, rank, plans[rank], incoming[rank],
+                         postings[rank] if postings else None, post_ahead, variable_shapes,
+                         prefetch, overlapped_pairs, shared)
+        program.steps.append(walk.steps)
+        program.action_starts.append(walk.starts)
+        feeds.append(walk.walk())
+    return program, feeds
