@@ -22,3 +22,13 @@ def format_bytes_iec(value: float | None) -> str:
 
 def format_bytes_list(values) -> str:
     return "[" + ", ".join(format_bytes_iec(v) for v in values) + "]"
+
+
+def human_bytes(num: float) -> str:
+    """Bytes with a binary unit and two decimals (``21.00 GiB``), as the plan prints them."""
+    value = float(num)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1024
+    return f"{num} B"

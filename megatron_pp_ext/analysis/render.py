@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import html
 import math
+from typing import NamedTuple
 
 from ..timeline import COMM_WAIT, COMPUTE, P2P, Timeline
 from ..units import format_bytes_iec
@@ -359,15 +360,18 @@ def _event_rects(timeline: Timeline, scale: float, factor: float, unit: str, row
     return out
 
 
-def _aggregated_rects(timeline: Timeline, scale: float, factor: float, unit: str, row: int,
-                      hatch: str) -> list[str]:
-    """Per rank, time cut into buckets of ``_BUCKET_PX`` pixels (or of ``_BUCKET_ACTIONS`` mean
-    actions, when wider); each bucket's time is summed per kind (F, B, I, W, other, comm wait) and drawn as a
-    stack whose heights are the kinds' shares; neighbouring buckets whose shares differ by less
-    than a pixel or one action's share of a bucket are merged into one stretch. P2P batches: the share of time a batch was in flight, in the rank's P2P row."""
-    t0, makespan = timeline.start, timeline.makespan
-    if makespan <= 0:
-        return []
+class _Buckets(NamedTuple):
+    """The aggregated view's time buckets of one timeline."""
+
+    count: int  # buckets per lane
+    length: float  # one bucket, in the timeline's unit
+    px: float  # one bucket, in pixels
+    tolerance: float  # the share by which neighbouring buckets may differ and still merge
+
+
+def _buckets(timeline: Timeline, scale: float) -> _Buckets:
+    """Buckets of ``_BUCKET_PX`` pixels, or of ``_BUCKET_ACTIONS`` mean actions when wider."""
+    makespan = timeline.makespan
     # A bucket spans several actions, so that the buckets of a steady state look alike: their
     # shares then differ by about one action's share of a bucket, which is the tolerance.
     durations = [e.duration for e in timeline.events if e.category == COMPUTE]
@@ -376,6 +380,13 @@ def _aggregated_rects(timeline: Timeline, scale: float, factor: float, unit: str
     bucket = makespan / nb  # in the timeline's unit
     bpx = makespan * scale / nb
     tolerance = max(1.0 / _LANE, 1.5 * mean_px / bpx)  # a share
+    return _Buckets(nb, bucket, bpx, tolerance)
+
+
+def _bucket_times(timeline: Timeline, buckets: _Buckets):
+    """``(per rank, per bucket, time per kind of _KINDS; per rank, per bucket, time a P2P batch
+    was in flight; whether there was any)``: each event's time split over its buckets."""
+    t0, nb, bucket = timeline.start, buckets.count, buckets.length
     index = {k: i for i, k in enumerate(_KINDS)}
     kinds = len(_KINDS)
     acc = [[[0.0] * kinds for _ in range(nb)] for _ in range(timeline.num_ranks)]
@@ -396,42 +407,76 @@ def _aggregated_rects(timeline: Timeline, scale: float, factor: float, unit: str
                 has_p2p = True
             else:
                 acc[e.rank][k][index[key]] += share
+    return acc, p2p, has_p2p
+
+
+def _stack_groups(rank: int, y: int, times: list[list[float]], buckets: _Buckets,
+                  factor: float, unit: str, hatch: str) -> list[str]:
+    """One rank's compute lane: a ``<g>`` of stacked kinds per stretch of similar buckets, with
+    the kinds' shares and the idle share in its tooltip."""
+    bucket, bpx = buckets.length, buckets.px
+    out = []
+    shares = [[min(1.0, v / bucket) for v in counts] for counts in times]
+    for first, last, mean in _runs(shares, buckets.tolerance):
+        x, w = _LEFT + first * bpx, (last - first) * bpx
+        heights = _stack_heights(mean, _LANE)
+        parts = ", ".join(f"{k} {100 * s:.0f}%" for k, s in zip(_KINDS, mean) if s >= 0.005)
+        idle = max(0.0, 1.0 - sum(mean))
+        tip = html.escape(
+            f"rank {rank}, {_fmt(first * bucket * factor)} to {_fmt(last * bucket * factor)}"
+            f" {unit}: {parts + ', ' if parts else ''}idle {100 * idle:.0f}%")
+        rects, top = [], y
+        for k, h in zip(_KINDS, heights):
+            if h <= 0:
+                continue
+            fill = f'fill="url(#{hatch})"' if k == "comm" else f'class="{k}"'
+            rects.append(f'<rect {fill} x="{x:.2f}" y="{top}" width="{w:.2f}" '
+                         f'height="{h}"/>')
+            top += h
+        if rects:
+            out.append(f"<g><title>{tip}</title>{''.join(rects)}</g>")
+    return out
+
+
+def _p2p_flight_rects(rank: int, y: int, times: list[float], buckets: _Buckets,
+                      factor: float, unit: str) -> list[str]:
+    """One rank's P2P row: per stretch of similar buckets, a bar as high as the share of time a
+    batch was in flight."""
+    bucket, bpx = buckets.length, buckets.px
+    out = []
+    yp = y + _LANE + _GAP
+    flight = [[min(1.0, v / bucket)] for v in times]
+    for first, last, mean in _runs(flight, buckets.tolerance):
+        h = round(mean[0] * _P2P_ROW)
+        if h <= 0:
+            continue
+        x, w = _LEFT + first * bpx, (last - first) * bpx
+        tip = html.escape(
+            f"rank {rank} p2p, {_fmt(first * bucket * factor)} to "
+            f"{_fmt(last * bucket * factor)} {unit}: a batch in flight "
+            f"{100 * mean[0]:.0f}% of the time")
+        out.append(f'<rect class="p2p" x="{x:.2f}" y="{yp + _P2P_ROW - h}" '
+                   f'width="{w:.2f}" height="{h}"><title>{tip}</title></rect>')
+    return out
+
+
+def _aggregated_rects(timeline: Timeline, scale: float, factor: float, unit: str, row: int,
+                      hatch: str) -> list[str]:
+    """Per rank, time cut into buckets of ``_BUCKET_PX`` pixels (or of ``_BUCKET_ACTIONS`` mean
+    actions, when wider); each bucket's time is summed per kind (F, B, I, W, other, comm wait)
+    and drawn as a stack whose heights are the kinds' shares; neighbouring buckets whose shares
+    differ by less than a pixel or one action's share of a bucket are merged into one stretch.
+    P2P batches: the share of time a batch was in flight, in the rank's P2P row."""
+    if timeline.makespan <= 0:
+        return []
+    buckets = _buckets(timeline, scale)
+    acc, p2p, has_p2p = _bucket_times(timeline, buckets)
     out = []
     for rank in range(timeline.num_ranks):
         y = rank * row
-        shares = [[min(1.0, v / bucket) for v in counts] for counts in acc[rank]]
-        for first, last, mean in _runs(shares, tolerance):
-            x, w = _LEFT + first * bpx, (last - first) * bpx
-            heights = _stack_heights(mean, _LANE)
-            parts = ", ".join(f"{k} {100 * s:.0f}%" for k, s in zip(_KINDS, mean) if s >= 0.005)
-            idle = max(0.0, 1.0 - sum(mean))
-            tip = html.escape(
-                f"rank {rank}, {_fmt(first * bucket * factor)} to {_fmt(last * bucket * factor)}"
-                f" {unit}: {parts + ', ' if parts else ''}idle {100 * idle:.0f}%")
-            rects, top = [], y
-            for k, h in zip(_KINDS, heights):
-                if h <= 0:
-                    continue
-                fill = f'fill="url(#{hatch})"' if k == "comm" else f'class="{k}"'
-                rects.append(f'<rect {fill} x="{x:.2f}" y="{top}" width="{w:.2f}" '
-                             f'height="{h}"/>')
-                top += h
-            if rects:
-                out.append(f"<g><title>{tip}</title>{''.join(rects)}</g>")
+        out += _stack_groups(rank, y, acc[rank], buckets, factor, unit, hatch)
         if has_p2p:
-            yp = y + _LANE + _GAP
-            flight = [[min(1.0, v / bucket)] for v in p2p[rank]]
-            for first, last, mean in _runs(flight, tolerance):
-                h = round(mean[0] * _P2P_ROW)
-                if h <= 0:
-                    continue
-                x, w = _LEFT + first * bpx, (last - first) * bpx
-                tip = html.escape(
-                    f"rank {rank} p2p, {_fmt(first * bucket * factor)} to "
-                    f"{_fmt(last * bucket * factor)} {unit}: a batch in flight "
-                    f"{100 * mean[0]:.0f}% of the time")
-                out.append(f'<rect class="p2p" x="{x:.2f}" y="{yp + _P2P_ROW - h}" '
-                           f'width="{w:.2f}" height="{h}"><title>{tip}</title></rect>')
+            out += _p2p_flight_rects(rank, y, p2p[rank], buckets, factor, unit)
     return out
 
 
@@ -532,6 +577,67 @@ def _nice_step(raw: float) -> float:
 _MICROSECONDS = {"t": 1000.0, "s": 1e6, "ms": 1e3, "us": 1.0}
 
 
+def _chrome_units(timeline: Timeline) -> tuple[str, str, str, float]:
+    """``(process name, note, unit of the events' args, factor to it)``: cost units stay t (and
+    the name and the note say the viewer's ms are t); measured times go to ms."""
+    if timeline.unit == "t":
+        name = (f"{timeline.schedule} ({timeline.source}), in cost units t: the viewer's ms are "
+                "t, not milliseconds")
+        note = ("times are cost-model units t, not wall-clock time: ts and dur place 1 t at "
+                "1000 us, so the viewer's 1 ms reads as 1 t; args hold the times in t")
+        arg_unit, arg_factor = "t", 1.0
+    else:
+        factor, arg_unit = display_unit(timeline.unit)
+        arg_factor = factor
+        name = f"{timeline.schedule} ({timeline.source})"
+        note = f"times measured in {timeline.unit}; ts and dur in microseconds, args in ms"
+    return name, note, arg_unit, arg_factor
+
+
+def _chrome_metadata(timeline: Timeline, name: str) -> list[dict]:
+    """The "M" events: the process name, and a named thread per rank (tid = rank) and per rank
+    with P2P batches (tid = p + rank), sorted so that each P2P thread follows its rank's."""
+    p2p_ranks = sorted({e.rank for e in timeline.events if e.category == P2P})
+    events: list[dict] = [
+        {"name": "process_name", "ph": "M", "pid": 0, "tid": 0, "args": {"name": name}},
+    ]
+    for rank in range(timeline.num_ranks):
+        events.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": rank,
+                       "args": {"name": f"rank {rank}"}})
+        events.append({"name": "thread_sort_index", "ph": "M", "pid": 0, "tid": rank,
+                       "args": {"sort_index": 2 * rank}})
+    for rank in p2p_ranks:
+        tid = timeline.num_ranks + rank
+        events.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": tid,
+                       "args": {"name": f"rank {rank} p2p"}})
+        events.append({"name": "thread_sort_index", "ph": "M", "pid": 0, "tid": tid,
+                       "args": {"sort_index": 2 * rank + 1}})
+    return events
+
+
+def _chrome_event(e, num_ranks: int, t0: float, scale: float, arg_unit: str,
+                  arg_factor: float) -> dict:
+    """One event as an "X" event, timed from ``t0``: ``ts`` and ``dur`` in microseconds,
+    ``args`` in ``arg_unit``; its thread is its rank's, or its rank's P2P thread."""
+    if e.category == COMM_WAIT:
+        cat, tid = "comm_wait", e.rank
+    elif e.category == P2P:
+        cat, tid = "p2p", num_ranks + e.rank
+    else:
+        cat, tid = e.kind, e.rank
+    return {
+        "name": e.label,
+        "cat": cat,
+        "ph": "X",
+        "ts": (e.start - t0) * scale,
+        "dur": e.duration * scale,
+        "pid": 0,
+        "tid": tid,
+        "args": {"start": (e.start - t0) * arg_factor, "end": (e.end - t0) * arg_factor,
+                 "duration": e.duration * arg_factor, "unit": arg_unit},
+    }
+
+
 def render_chrome_trace(timeline: Timeline) -> dict:
     """Chrome trace event JSON: an "X" event per action or wait (pid 0, tid = rank) and, for
     P2P batches in flight, per rank a thread "rank r p2p" (tid = p + r) under its rank.
@@ -548,51 +654,10 @@ def render_chrome_trace(timeline: Timeline) -> dict:
             f"timeline unit {timeline.unit!r} is not one of {', '.join(_MICROSECONDS)}"
         )
     scale, t0 = _MICROSECONDS[timeline.unit], timeline.start
-    cost_units = timeline.unit == "t"
-    if cost_units:
-        name = (f"{timeline.schedule} ({timeline.source}), in cost units t: the viewer's ms are "
-                "t, not milliseconds")
-        note = ("times are cost-model units t, not wall-clock time: ts and dur place 1 t at "
-                "1000 us, so the viewer's 1 ms reads as 1 t; args hold the times in t")
-        arg_unit, arg_factor = "t", 1.0
-    else:
-        factor, arg_unit = display_unit(timeline.unit)
-        arg_factor = factor
-        name = f"{timeline.schedule} ({timeline.source})"
-        note = f"times measured in {timeline.unit}; ts and dur in microseconds, args in ms"
-    p2p_ranks = sorted({e.rank for e in timeline.events if e.category == P2P})
-    events: list[dict] = [
-        {"name": "process_name", "ph": "M", "pid": 0, "tid": 0, "args": {"name": name}},
-    ]
-    for rank in range(timeline.num_ranks):
-        events.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": rank,
-                       "args": {"name": f"rank {rank}"}})
-        events.append({"name": "thread_sort_index", "ph": "M", "pid": 0, "tid": rank,
-                       "args": {"sort_index": 2 * rank}})
-    for rank in p2p_ranks:
-        tid = timeline.num_ranks + rank
-        events.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": tid,
-                       "args": {"name": f"rank {rank} p2p"}})
-        events.append({"name": "thread_sort_index", "ph": "M", "pid": 0, "tid": tid,
-                       "args": {"sort_index": 2 * rank + 1}})
-    for e in timeline.events:
-        if e.category == COMM_WAIT:
-            cat, tid = "comm_wait", e.rank
-        elif e.category == P2P:
-            cat, tid = "p2p", timeline.num_ranks + e.rank
-        else:
-            cat, tid = e.kind, e.rank
-        events.append({
-            "name": e.label,
-            "cat": cat,
-            "ph": "X",
-            "ts": (e.start - t0) * scale,
-            "dur": e.duration * scale,
-            "pid": 0,
-            "tid": tid,
-            "args": {"start": (e.start - t0) * arg_factor, "end": (e.end - t0) * arg_factor,
-                     "duration": e.duration * arg_factor, "unit": arg_unit},
-        })
+    name, note, arg_unit, arg_factor = _chrome_units(timeline)
+    events = _chrome_metadata(timeline, name)
+    events += [_chrome_event(e, timeline.num_ranks, t0, scale, arg_unit, arg_factor)
+               for e in timeline.events]
     return {
         "traceEvents": events,
         "displayTimeUnit": "ms",

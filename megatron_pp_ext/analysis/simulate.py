@@ -18,6 +18,8 @@ from typing import Sequence, Union
 
 from ..ir import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Schedule
 from ..timeline import COMM_WAIT, COMPUTE, Event, Timeline
+from ..schedules import build_async_schedule, build_schedule
+from ..schedules.pipedream import plan_versions
 from ..schedules.validate import execute_in_order, explain_blocked, peak_activations, validate_schedule
 from .lowering import nccl_program
 from .nccl_timing import time_program
@@ -242,8 +244,6 @@ def async_steady_state(name: str, num_ranks: int, num_microbatches: int,
                        **options) -> AsyncSteadyState:
     """Simulate ``name`` (``pipedream`` or ``pipedream-2bw``) over ``short`` and ``long``
     batches and flushed 1F1B over one step, under the same ``costs`` (full backwards: t_b)."""
-    from ..schedules.pipedream import plan_versions
-    from ..schedules import build_async_schedule, build_schedule
 
     if not 1 <= short < long:
         raise ValueError(f"short={short}, long={long}: need 1 <= short < long")

@@ -63,32 +63,12 @@ def candidates(args) -> list[tuple[str, int]]:
 
 def run(args) -> int:
     costs, unit, measured = costs_from_args(args)
-    if args.ranks is None or args.microbatches is None:
-        raise ValueError("compare needs --ranks P and --microbatches M (or --costs FILE, "
-                         "whose run gives them)")
-    p, m = args.ranks, args.microbatches
-    warn_p_exceeds_m(p, m)
-    if args.activation_mb is not None and args.activation_mb < 0:
-        raise ValueError(f"--activation-mb {args.activation_mb:g} must be >= 0")
+    p, m = _check_sizes(args)
     activation = (args.activation_mb or 0.0) * MiB
     pairs = candidates(args)
     selection = select_schedules(p, m, costs, activation_bytes=activation,
                                  memory_budget_bytes=float("inf"), candidates=pairs)
-    by_key = {(r.name, r.chunks): r for r in selection.ranked}
-    fastest = min((r.makespan for r in selection.ranked), default=0.0)
-    rows = []
-    for key in pairs:
-        if key not in by_key:
-            continue
-        r = by_key[key]
-        rows.append({
-            "schedule": r.name, "chunks": r.chunks, "step_time": r.makespan,
-            "vs_fastest": r.makespan / fastest if fastest > 0 else None,
-            "bubble": r.bubble,
-            "peak_activations": selection.peak_activations_v1(*key),
-            "peak_chunk_activations": selection.peak_activations[key],
-            "peak_bytes": r.peak_bytes if args.activation_mb is not None else None,
-        })
+    rows = _rows(selection, pairs, args.activation_mb is not None)
     left_out = list(selection.excluded)
     timelines = []
     for key in pairs:
@@ -116,13 +96,53 @@ def run(args) -> int:
             for e in left_out:
                 print(f"  {e.name} (v={e.chunks}): {e.reason}")
     if args.out:
-        what = "measured costs" if measured else "unit costs" if _unit_costs(costs) else \
-            "the given costs"
-        title = (f"p={p}, m={m}: every schedule predicted with {what} "
-                 f"({'seconds' if unit == 's' else 'cost units t'})")
-        Path(args.out).write_text(render_html(timelines, title=title) + "\n")
-        print(f"wrote {args.out}", file=sys.stdout if args.format == "text" else sys.stderr)
+        _write_html(args, p, m, costs, unit, measured, timelines)
     return 0
+
+
+def _check_sizes(args) -> tuple[int, int]:
+    """P and M (a --costs file may have supplied them) and a usable --activation-mb, refused
+    before anything is simulated."""
+    if args.ranks is None or args.microbatches is None:
+        raise ValueError("compare needs --ranks P and --microbatches M (or --costs FILE, "
+                         "whose run gives them)")
+    p, m = args.ranks, args.microbatches
+    warn_p_exceeds_m(p, m)
+    if args.activation_mb is not None and args.activation_mb < 0:
+        raise ValueError(f"--activation-mb {args.activation_mb:g} must be >= 0")
+    return p, m
+
+
+def _rows(selection, pairs: list[tuple[str, int]], with_bytes: bool) -> list[dict]:
+    """One row per compared schedule, in the order asked for (those the selection left out
+    have none); peak bytes only when --activation-mb gave a microbatch's size."""
+    by_key = {(r.name, r.chunks): r for r in selection.ranked}
+    fastest = min((r.makespan for r in selection.ranked), default=0.0)
+    rows = []
+    for key in pairs:
+        if key not in by_key:
+            continue
+        r = by_key[key]
+        rows.append({
+            "schedule": r.name, "chunks": r.chunks, "step_time": r.makespan,
+            "vs_fastest": r.makespan / fastest if fastest > 0 else None,
+            "bubble": r.bubble,
+            "peak_activations": selection.peak_activations_v1(*key),
+            "peak_chunk_activations": selection.peak_activations[key],
+            "peak_bytes": r.peak_bytes if with_bytes else None,
+        })
+    return rows
+
+
+def _write_html(args, p: int, m: int, costs, unit: str, measured, timelines: list) -> None:
+    """--out: every timeline on one page; the note that it was written goes to stderr under
+    --format json, so that stdout stays one JSON document."""
+    what = "measured costs" if measured else "unit costs" if _unit_costs(costs) else \
+        "the given costs"
+    title = (f"p={p}, m={m}: every schedule predicted with {what} "
+             f"({'seconds' if unit == 's' else 'cost units t'})")
+    Path(args.out).write_text(render_html(timelines, title=title) + "\n")
+    print(f"wrote {args.out}", file=sys.stdout if args.format == "text" else sys.stderr)
 
 
 def _unit_costs(costs) -> bool:

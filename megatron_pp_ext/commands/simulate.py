@@ -7,11 +7,14 @@ import sys
 from pathlib import Path
 
 from ..analysis.costs import ACTIVATION_UNIT, activations_in_v1_units
+from ..analysis.lowering import (MEGATRON, USER, nccl_post_ahead, nccl_posting_kind,
+                                 nccl_program)
 from ..analysis.render import render_ascii, render_chrome_trace, render_html
-from ..analysis.simulate import CostModel, simulate
-from ..schedules.validate import CHANNELS
+from ..analysis.simulate import CostModel, async_steady_state, simulate
+from ..analysis.user_program import load  # compute-only, or with its own P2P batches
 from ..ir import Schedule
 from ..schedules import build_schedule, is_async_schedule, schedule_names
+from ..schedules.validate import CHANNELS, validate_schedule
 from .common import (COSTS_HELP, add_cost_args, add_size_args, costs_from_args, describe_costs,
                      peak_line)
 from .hints import warn_p_exceeds_m
@@ -66,7 +69,6 @@ def load_schedule(path: str) -> Schedule:
         raise OSError(f"cannot read schedule file {path}: {exc.strerror or exc}") from None
     if path.endswith(".json"):
         return Schedule.from_json(text)
-    from ..analysis.user_program import load  # compute-only, or with its own P2P batches
 
     return load(text, name=Path(path).stem)[0]
 
@@ -93,8 +95,6 @@ def make_schedule(args) -> Schedule:
 def nccl_program_text(schedule: Schedule) -> str:
     """The lowered program the executor posts on NCCL, after checking it (raises if it could
     hang), with a first line saying which posting it uses."""
-    from ..analysis.lowering import (MEGATRON, USER, nccl_post_ahead, nccl_posting_kind,
-                                    nccl_program)
 
     posting = nccl_posting_kind(schedule)
     why = {MEGATRON: "Megatron's fused calls pass NCCL's rules",
@@ -115,8 +115,6 @@ def run(args) -> int:
     schedule = make_schedule(args)
     warn_p_exceeds_m(schedule.num_ranks, schedule.num_microbatches)
     if args.nccl_program:
-        from ..schedules.validate import validate_schedule
-
         validate_schedule(schedule)
         return _write(args, nccl_program_text(schedule).rstrip("\n"))
     if measured is not None and schedule.num_ranks != measured.num_ranks:
@@ -148,7 +146,6 @@ def run(args) -> int:
 def _run_async(args, costs, unit: str) -> int:
     """PipeDream / 2BW: no step to draw, a run of 4 optimizer batches that never flushes,
     and its steady state per microbatch against the floor and flushed 1F1B."""
-    from ..analysis.simulate import async_steady_state
 
     if args.ranks is None or args.microbatches is None:
         raise ValueError(f"--schedule {args.schedule} needs --ranks P and --microbatches M")

@@ -22,6 +22,7 @@ import argparse
 from ..schedules import is_schedule_file, load_schedule_file, schedule_names
 from ..train.settings import TrainSettings
 from .common import add_size_args
+from .hints import warn_p_exceeds_m
 
 DEFAULTS = TrainSettings()
 
@@ -106,7 +107,6 @@ def run(args) -> int:
 
         return run_async(settings)
     from ..train.launcher import detect, run as launch
-    from .hints import warn_p_exceeds_m
 
     if detect().rank == 0:  # under torchrun / srun every rank runs this command: say it once
         warn_p_exceeds_m(settings.pp, settings.microbatches)

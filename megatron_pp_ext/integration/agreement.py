@@ -28,6 +28,7 @@ import threading
 import time
 
 import torch
+from ..runtime.errors import PeerFailedError, PeerReported
 
 FINGERPRINT_FIELDS = ("schedule", "pipeline_size", "num_microbatches", "model_chunks",
                       "forward_only", "tensor_shape", "pipeline_dtype", "variable_seq_lengths")
@@ -200,7 +201,6 @@ def failure_note(exc: BaseException, rank: int) -> str:
     peer, pending = getattr(exc, "peer", None), getattr(exc, "pending", None)
     if peer is None or pending is None:
         return f"rank {rank} failed: {' '.join(str(exc).split())[:300]}"
-    from ..runtime.errors import PeerFailedError
 
     if isinstance(exc, PeerFailedError):
         return f"rank {rank} stopped because rank {peer} failed (pending {pending})"
@@ -241,7 +241,6 @@ def peer_failure_watch(pp_group, rank: int, baseline: int):
     last went well: notes of earlier, caught failures do not count). Each call reads one
     counter from the store, on a thread of its own; while a read is still out (a store that
     does not answer), calls do nothing rather than pile up."""
-    from ..runtime.errors import PeerReported
 
     reading: list = [None]  # the read still out, if any
 

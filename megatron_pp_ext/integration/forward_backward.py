@@ -38,6 +38,7 @@ from ..runtime import trace as tracing
 from ..runtime.errors import PipelineTimeoutError
 from ..runtime.executor import Executor, StepResult, compile_steps
 from ..runtime.transport import TorchDistTransport
+from ..runtime.wgrad import WeightGradSplit
 from ..schedules import AUTO, build_schedule, get_spec, schedule_layout
 from ..timeline import Timeline
 from . import agreement
@@ -45,6 +46,7 @@ from .auto import AutoSchedule
 from .loss_relay import needs_relay, relay_losses, share_token_count
 from .megatron_stage import GradSync, MegatronStageWork, offers_overlapped_pairs
 from .options import PipelineOptions
+from .plan import plan_text
 
 
 @dataclass
@@ -306,8 +308,6 @@ def _first_step_checks(state: RunState, options: PipelineOptions, schedule: Sche
                 "unset (derived from the group's timeout) or raise the group's timeout",
                 ", ".join(unsafe), device_helper.group_timeout_s(pp_group))
         if rank == 0 and logger.isEnabledFor(logging.INFO):
-            from .plan import plan_text
-
             logger.info("%s", plan_text(schedule, recv_shape, dtype))
 
 
@@ -351,18 +351,111 @@ def run_step(
 ):
     """Run one step of ``state.options``' schedule; returns the last stage's per-microbatch
     outputs of the loss function (``[]`` on the other ranks), as Megatron does."""
-    options = state.options
     models = model if isinstance(model, list) else [model]
     config = get_model_config(models[0])
-
-    if pg_collection is None:
-        pg_collection = _build_default_pg_collection()
+    pg_collection = _build_default_pg_collection() if pg_collection is None else pg_collection
     pp_group = p2p_communicator.pp_group if p2p_communicator is not None else pg_collection.pp
     tp_group, cp_group = pg_collection.tp, pg_collection.cp
     p = check_pipeline_size(pp_group, p2p_communicator, pg_collection, config)
     rank = pp_group.rank()
+    options, auto, schedule = _step_schedule(state, models, p, pp_group, num_microbatches,
+                                             forward_only, config)
+    # after the schedule's own checks, as Megatron's interleaved schedule checks the
+    # microbatches before it reads the iterators
+    iterators = _as_list(data_iterator, "data_iterator", len(models))
+    last_stage_here = schedule.rank_of(schedule.num_stages - 1) == rank
+    check_chunk_placement(schedule, rank, models)  # a few attribute reads
+    recv_shape, variable = _p2p_shape(config, len(models), seq_length, micro_batch_size,
+                                      decoder_seq_length, adjust_tensor_shapes_fn, tp_group,
+                                      cp_group)
+    pipeline_dtype = config.pipeline_dtype or torch.float32
+    transport = _transport_for(pp_group)
+    steps, (first_timeout, later_timeout) = _checked_program(
+        state, options, schedule, rank, pp_group, transport, models, config, forward_only,
+        recv_shape, variable, pipeline_dtype)
+    finalizing = config.finalize_model_grads_func is not None and not forward_only
+    embedding_module = (clear_embedding_activation_buffer(config, models, last_stage_here)
+                        if finalizing else None)
+    if config.timers is not None:
+        config.timers("forward-backward", log_level=1).start(barrier=config.barrier_with_L1_time)
 
-    auto, extra_options = None, None
+    grad_sync, weight_split, work = _stage_work(
+        schedule, rank, models, config, forward_step_func, iterators, num_microbatches,
+        cp_group.size(), collect_non_loss_data, first_val_step, forward_only, pp_group)
+    grad_sync.start()
+    timeout = first_timeout if state.steps_run == 0 else later_timeout
+    measuring = auto is not None and auto.measuring and not forward_only
+    executor = Executor(schedule, rank, transport, work, recv_shape=recv_shape,
+                        dtype=pipeline_dtype, device=transport.device, timeout_s=timeout,
+                        variable_shapes=variable, trace=options.trace, timers=config.timers,
+                        steps=steps, memory=(options.trace or measuring)
+                        if options.memory is None else options.memory or measuring)
+    _arm_transport(state, transport, timeout, pp_group, rank)
+    memory_probe = device_helper.start_memory_probe(transport.device) if measuring else None
+    result = _run_executor(state, executor, weight_split, pp_group, rank)
+    grad_sync.finish()
+    if weight_split is not None:
+        weight_split.assert_drained()
+
+    if finalizing:
+        finish_embedding_wgrad_compute(config, embedding_module, last_stage_here, tp_group)
+        _finalize_grads(config, models, work, schedule, pp_group, pg_collection,
+                        force_all_reduce)
+    if config.timers is not None:
+        config.timers("forward-backward").stop()
+    _observe(state, options, result, schedule, rank, pp_group, transport.device, config,
+             auto if measuring else None, memory_probe)
+    state.last_step, state.last_schedule = result, schedule
+    state.steps_run += 1
+    if needs_relay(schedule):
+        return relay_losses(work.forward_data_store, schedule, rank, pp_group,
+                            transport.device, state.steps_run, timeout)
+    return work.forward_data_store if last_stage_here else []
+
+
+def _observe(state: RunState, options: PipelineOptions, result: StepResult,
+             schedule: Schedule, rank: int, pp_group, device, config, measuring_auto,
+             memory_probe) -> None:
+    """The step's trace (``options.trace``) and, while ``auto`` measures, its measurement."""
+    if options.trace:
+        _trace_step(state, result, schedule, rank, pp_group, device, config, options.trace_dir)
+    if measuring_auto is not None:
+        measuring_auto.after_step(result, schedule, pp_group, device_helper.finish_memory_probe(
+            device, memory_probe, result.peak_activations))
+
+
+def _stage_work(schedule: Schedule, rank: int, models, config, forward_step_func, iterators,
+                num_microbatches: int, cp_size: int, collect_non_loss_data: bool,
+                first_val_step, forward_only: bool, pp_group):
+    """(Megatron's grad-sync protocol, the I/W split or None, the work) of this step."""
+    grad_sync = GradSync(config, models, schedule, rank, forward_only)
+    weight_split = WeightGradSplit(models) if schedule.uses_split_backward() else None
+    work = MegatronStageWork(
+        schedule=schedule, rank=rank, forward_step_func=forward_step_func,
+        data_iterators=iterators, model_chunks=models, num_microbatches=num_microbatches,
+        config=config, cp_size=cp_size, collect_non_loss_data=collect_non_loss_data,
+        first_val_step=first_val_step, forward_only=forward_only,
+        token_device=device_helper.comm_device(pp_group), grad_sync=grad_sync,
+        weight_split=weight_split)
+    return grad_sync, weight_split, work
+
+
+def _finalize_grads(config, models, work, schedule: Schedule, pp_group, pg_collection,
+                    force_all_reduce) -> None:
+    """Megatron's ``finalize_model_grads``, with the loss rank's token count shared first
+    where the last pipeline rank is not the loss rank (the V layouts)."""
+    if config.calculate_per_token_loss and needs_relay(schedule):
+        share_token_count(work.total_num_tokens, schedule, pp_group)
+    config.finalize_model_grads_func(
+        models, work.total_num_tokens if config.calculate_per_token_loss else None,
+        pg_collection=pg_collection, force_all_reduce=force_all_reduce)
+
+
+def _step_schedule(state: RunState, models, p: int, pp_group, num_microbatches: int,
+                   forward_only: bool, config):
+    """(the step's options, the auto chooser or None, the schedule): with ``auto``, the
+    options of the candidate this step measures or the one chosen."""
+    options, auto, extra_options = state.options, None, None
     if options.schedule == AUTO:
         if state.auto is None:
             state.auto = AutoSchedule(options.auto_measure_steps, options.auto_memory_budget_bytes,
@@ -371,79 +464,64 @@ def run_step(
         options, extra_options = auto.options_for_step(options, models, pp_group)
     schedule = schedule_for(options, p, num_microbatches, len(models), forward_only, config,
                             extra_options)
-    # after the schedule's own checks, as Megatron's interleaved schedule checks the
-    # microbatches before it reads the iterators
-    iterators = _as_list(data_iterator, "data_iterator", len(models))
-    last_stage_here = schedule.rank_of(schedule.num_stages - 1) == rank
-    check_chunk_placement(schedule, rank, models)  # a few attribute reads
+    return options, auto, schedule
 
-    shapes = get_tensor_shapes(seq_length=seq_length, micro_batch_size=micro_batch_size,
-                               decoder_seq_length=shape_decoder_seq_length(
-                                   len(models), decoder_seq_length),
-                               config=config, tp_group=tp_group, cp_group=cp_group)
-    if adjust_tensor_shapes_fn is not None:
-        shapes, _ = adjust_tensor_shapes_fn(shapes, shapes)
-    variable = bool(config.variable_seq_lengths)
-    recv_shape = None if variable else tuple(shapes[0])
-    pipeline_dtype = config.pipeline_dtype or torch.float32
-    transport = _transport_for(pp_group)
-    # what this rank posts and waits on (on NCCL checked against NCCL's rules before
-    # anything is sent)
+
+def _checked_program(state: RunState, options: PipelineOptions, schedule: Schedule,
+                     rank: int, pp_group, transport, models, config, forward_only: bool,
+                     recv_shape, variable: bool, pipeline_dtype):
+    """(this rank's compiled program, (first-step timeout, later timeout)) after the
+    first step's checks: the program (on NCCL checked against NCCL's rules) and the
+    agreement of the pipeline ranks, before anything is sent."""
     steps = state.program_steps(
         schedule, rank, batched=getattr(transport, "batched", False),
         prefetch=getattr(transport, "prefetch_receives", False) and config.timers is None,
         overlapped_pairs=offers_overlapped_pairs(models), variable_shapes=variable,
         timed=config.timers is not None)
-    first_timeout, later_timeout = options.timeouts(device_helper.group_timeout_s(pp_group))
+    timeouts = options.timeouts(device_helper.group_timeout_s(pp_group))
     _first_step_checks(state, options, schedule, pp_group, rank, forward_only, recv_shape,
-                       pipeline_dtype, variable, transport.device, first_timeout)
+                       pipeline_dtype, variable, transport.device, timeouts[0])
+    return steps, timeouts
 
-    embedding_module = None
-    if config.finalize_model_grads_func is not None and not forward_only:
-        embedding_module = clear_embedding_activation_buffer(config, models, last_stage_here)
-    if config.timers is not None:
-        config.timers("forward-backward", log_level=1).start(barrier=config.barrier_with_L1_time)
 
-    grad_sync = GradSync(config, models, schedule, rank, forward_only)
-    weight_split = None
-    if schedule.uses_split_backward():
-        from ..runtime.wgrad import WeightGradSplit
+def _p2p_shape(config, chunks: int, seq_length: int, micro_batch_size: int,
+               decoder_seq_length, adjust_tensor_shapes_fn, tp_group, cp_group):
+    """(the shape every P2P tensor has, or None with variable sequence lengths; whether they
+    vary), from Megatron's own ``get_tensor_shapes``."""
+    shapes = get_tensor_shapes(seq_length=seq_length, micro_batch_size=micro_batch_size,
+                               decoder_seq_length=shape_decoder_seq_length(
+                                   chunks, decoder_seq_length),
+                               config=config, tp_group=tp_group, cp_group=cp_group)
+    if adjust_tensor_shapes_fn is not None:
+        shapes, _ = adjust_tensor_shapes_fn(shapes, shapes)
+    variable = bool(config.variable_seq_lengths)
+    return (None if variable else tuple(shapes[0])), variable
 
-        weight_split = WeightGradSplit(models)  # defers linear wgrads only while the step runs
-    work = MegatronStageWork(
-        schedule=schedule, rank=rank, forward_step_func=forward_step_func,
-        data_iterators=iterators, model_chunks=models, num_microbatches=num_microbatches,
-        config=config, cp_size=cp_group.size(), collect_non_loss_data=collect_non_loss_data,
-        first_val_step=first_val_step, forward_only=forward_only,
-        token_device=device_helper.comm_device(pp_group), grad_sync=grad_sync,
-        weight_split=weight_split,
-    )
-    grad_sync.start()
-    timeout = first_timeout if state.steps_run == 0 else later_timeout
-    measuring = auto is not None and auto.measuring and not forward_only
-    executor = Executor(schedule, rank, transport, work, recv_shape=recv_shape,
-                        dtype=pipeline_dtype,
-                        device=transport.device, timeout_s=timeout, variable_shapes=variable,
-                        trace=options.trace, timers=config.timers, steps=steps,
-                        memory=(options.trace or measuring) if options.memory is None
-                        else options.memory or measuring)
-    transport.timeout_s = timeout  # its own waits inside a call (shape headers) too
-    if transport.poll:  # NCCL: a peer that fails and says so stops this rank's waits at once
+
+def _arm_transport(state: RunState, transport, timeout: float, pp_group, rank: int) -> None:
+    """The step's timeout for the transport's own waits (shape headers), and on NCCL the
+    watch that stops a wait at once when a peer publishes its failure."""
+    transport.timeout_s = timeout
+    if transport.poll:
         if state.failure_baseline is None:
             state.failure_baseline = agreement.failures_published()
         transport.watch = (None if state.failure_baseline is None else
                            agreement.peer_failure_watch(pp_group, rank, state.failure_baseline))
-    memory_probe = device_helper.start_memory_probe(transport.device) if measuring else None
+
+
+def _run_executor(state: RunState, executor: Executor, weight_split, pp_group,
+                  rank: int) -> StepResult:
+    """Run the step; on a failure, tell the peers and abort the group (NCCL: so that no rank
+    is left blocked in a dead op) before raising."""
     try:
-        if weight_split is not None:
-            with weight_split.deferring():
-                result = executor.run()
-        else:
-            result = executor.run()
+        if weight_split is None:
+            return executor.run()
+        with weight_split.deferring():  # defers linear wgrads only while the step runs
+            return executor.run()
     except PipelineTimeoutError as exc:
         state.failure_baseline = None  # a later step counts only failures after this one
         agreement.explain_failure(exc, pp_group, rank)  # tell the peers, hear theirs
-        device_helper.abort_group(pp_group)  # NCCL: leave no rank blocked in a dead op
+        device_helper.abort_group(pp_group)
         raise
     except Exception as exc:  # e.g. a tensor of the wrong shape refused before sending
         # tell the peers at once: on NCCL they would otherwise sit out their timeout
@@ -451,36 +529,6 @@ def run_step(
         agreement.publish_failure(pp_group, rank, agreement.failure_note(exc, rank))
         device_helper.abort_group(pp_group)  # NCCL: this rank's posted batches never finish
         raise
-    grad_sync.finish()
-    if weight_split is not None:
-        weight_split.assert_drained()
-
-    if config.finalize_model_grads_func is not None and not forward_only:
-        finish_embedding_wgrad_compute(config, embedding_module, last_stage_here, tp_group)
-        if config.calculate_per_token_loss and needs_relay(schedule):
-            share_token_count(work.total_num_tokens, schedule, pp_group)
-        config.finalize_model_grads_func(
-            models,
-            work.total_num_tokens if config.calculate_per_token_loss else None,
-            pg_collection=pg_collection,
-            force_all_reduce=force_all_reduce,
-        )
-    if config.timers is not None:
-        config.timers("forward-backward").stop()
-    if options.trace:
-        _trace_step(state, result, schedule, rank, pp_group, transport.device, config,
-                    options.trace_dir)
-    if measuring:
-        memory = device_helper.finish_memory_probe(transport.device, memory_probe,
-                                                   result.peak_activations)
-        auto.after_step(result, schedule, pp_group, memory)
-
-    state.last_step, state.last_schedule = result, schedule
-    state.steps_run += 1
-    if needs_relay(schedule):
-        return relay_losses(work.forward_data_store, schedule, rank, pp_group,
-                            transport.device, state.steps_run, timeout)
-    return work.forward_data_store if last_stage_here else []
 
 
 class ScheduleFunction:

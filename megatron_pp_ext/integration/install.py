@@ -28,7 +28,9 @@ from __future__ import annotations
 import sys
 
 from .forward_backward import RunState, ScheduleFunction
-from .options import PipelineOptions
+from .options import ENV_SCHEDULE, PipelineOptions
+from .post_validation import post_validated
+from .run_ahead_step import LocalMaxStat, RunAheadTrainStep
 from .v_layout_models import undo_patches
 
 _REPLACED_NAMES = (
@@ -87,8 +89,6 @@ class Installation:
 
         from megatron.core import optimizer as megatron_optimizer
 
-        from .post_validation import post_validated
-
         original = megatron_optimizer.get_megatron_optimizer
 
         @functools.wraps(original)
@@ -116,8 +116,6 @@ class Installation:
         if not on:
             return
         from megatron.training import training
-
-        from .run_ahead_step import LocalMaxStat, RunAheadTrainStep
 
         max_stat = None
         if hasattr(training, "reduce_max_stat_across_model_parallel_group"):  # training_log's
@@ -196,8 +194,6 @@ def current_installation() -> Installation | None:
 def install_from_env() -> bool:
     """Install when $MEGATRON_PP_SCHEDULE names a schedule (for unmodified scripts)."""
     import os
-
-    from .options import ENV_SCHEDULE
 
     if os.environ.get(ENV_SCHEDULE):
         install()

@@ -47,16 +47,19 @@ import argparse
 import os
 from typing import Any
 
+from ..ir import ScheduleError
+from ..schedules import (AUTO, REGISTRY, SHAPING_OPTIONS, ScheduleSpec, build_schedule,
+                         is_schedule_file, load_schedule_file, resolve_schedule,
+                         schedule_layout, schedule_names, takes_option)
+from .options import ENV_SCHEDULE, PipelineOptions
+
 GROUP_TITLE = "pipeline schedule (megatron-pp-ext)"
-from ..schedules import AUTO
-from .options import ENV_SCHEDULE
 
 _VP_FLAGS = "--num-virtual-stages-per-pipeline-rank / --num-layers-per-virtual-pipeline-stage"
 
 
 def schedule_choices() -> list[str]:
     """The values ``--pipeline-schedule`` accepts: every registered schedule, then ``auto``."""
-    from ..schedules import schedule_names
 
     names = schedule_names()
     return names if AUTO in names else [*names, AUTO]
@@ -77,7 +80,6 @@ _schedule_value.__name__ = "schedule"
 def resolve_schedule_value(value: str) -> str:
     """The registry's name for ``value`` (any case, or PyTorch's name), ``auto``, or, for a
     schedule file (.csv, .json), its path once it reads and validates. ValueError otherwise."""
-    from ..schedules import is_schedule_file, load_schedule_file, resolve_schedule
 
     if is_schedule_file(value):
         load_schedule_file(value)  # unreadable or invalid: ScheduleError, naming the file
@@ -237,8 +239,6 @@ def _refuse_unfit_microbatches(name: str, args: Any, chunks: int, options: dict)
     batch = _batch_of(args)
     if batch is None:
         return
-    from ..ir import ScheduleError
-    from ..schedules import build_schedule
 
     m, global_batch, micro_batch, dp = batch
     pp = getattr(args, "pipeline_model_parallel_size", 1) or 1
@@ -251,36 +251,21 @@ def _refuse_unfit_microbatches(name: str, args: Any, chunks: int, options: dict)
             f"(--micro-batch-size {micro_batch} x data-parallel size {dp})): {exc}") from None
 
 
-def schedule_options_from_args(args: Any) -> dict | None:
-    """Check the plugin's arguments against Megatron's and return ``install()``'s keyword
-    arguments, or None when no schedule is asked for. Raises ValueError naming the fix."""
-    name = getattr(args, "pipeline_schedule", None)
-    if not name:
-        for flag in ("pp_post_validate", "pp_run_ahead"):
-            if getattr(args, flag, False):
-                dashed = "--" + flag.replace("_", "-")
-                raise ValueError(
-                    f"{dashed} is a megatron-pp-ext option: add --pipeline-schedule NAME "
-                    f"(1f1b runs Megatron's 1F1B order bit for bit) or drop {dashed}")
-        return None
-    try:  # e.g. a typo in $MEGATRON_PP_SCHEDULE set after the arguments were parsed
-        name = resolve_schedule_value(name)
-    except ValueError as exc:
-        raise ValueError(f"--pipeline-schedule / ${ENV_SCHEDULE}={name!r}: {exc}") from None
-    from ..schedules import REGISTRY, SHAPING_OPTIONS, is_schedule_file, takes_option
+def _refuse_plugin_flags_without_schedule(args: Any) -> None:
+    """The plugin's own flags do nothing without --pipeline-schedule: say so rather than
+    ignore them."""
+    for flag in ("pp_post_validate", "pp_run_ahead"):
+        if getattr(args, flag, False):
+            dashed = "--" + flag.replace("_", "-")
+            raise ValueError(
+                f"{dashed} is a megatron-pp-ext option: add --pipeline-schedule NAME "
+                f"(1f1b runs Megatron's 1F1B order bit for bit) or drop {dashed}")
 
-    if is_schedule_file(name):
-        return _file_options_from_args(name, args)
 
-    if name == AUTO:  # the candidates follow from how Megatron chunks the model
-        return _with_post_validation(
-            dict(schedule=AUTO, p2p_timeout_s=getattr(args, "pp_p2p_timeout_s", None),
-                 trace=bool(getattr(args, "pp_trace", False))), args)
-    spec = REGISTRY[name]
-    pp = getattr(args, "pipeline_model_parallel_size", 1) or 1
-    built = _model_chunks(args)
-    asked = getattr(args, "pp_schedule_chunks", None)
-
+def _chunks_needed(name: str, spec: ScheduleSpec, args: Any, pp: int,
+                   built: int) -> tuple[int, str]:
+    """(model chunks per rank the schedule runs here, how to make Megatron build that many),
+    the second for the errors that follow; refuses what the schedule's layout cannot run."""
     if spec.layout == "v":
         need = 2
         if getattr(args, "pipeline_model_parallel_layout", None):
@@ -300,16 +285,13 @@ def schedule_options_from_args(args: Any) -> dict | None:
                 f"--num-layers-per-virtual-pipeline-stage N (num_layers / pp / N >= 2)"
             )
         need, how = built, f"set {_VP_FLAGS} so Megatron builds that many chunks"
+    return need, how
 
-    pending = getattr(args, "pp_max_pending_backward", None)
-    warmup = getattr(args, "pp_warmup_forwards", None)
-    for flag, option, value in (("--pp-max-pending-backward", "max_pending_backward", pending),
-                                ("--pp-warmup-forwards", "warmup_forwards", warmup)):
-        if value is not None and not takes_option(name, option):
-            takers = SHAPING_OPTIONS[option]
-            raise ValueError(f"{flag} {value} shapes {' and '.join(takers)} only, and {name} "
-                             f"would ignore it: drop it or use --pipeline-schedule "
-                             f"{' or '.join(takers)}")
+
+def _refuse_chunk_mismatch(name: str, args: Any, pp: int, asked: int | None, need: int,
+                           built: int, how: str) -> None:
+    """--pp-schedule-chunks, when given, and the chunks Megatron builds must both be the
+    ``need`` chunks per rank the schedule runs."""
     if asked is not None and asked != need:
         raise ValueError(
             f"--pp-schedule-chunks {asked} does not fit --pipeline-schedule {name}, "
@@ -322,6 +304,11 @@ def schedule_options_from_args(args: Any) -> dict | None:
             f"{getattr(args, 'virtual_pipeline_model_parallel_size', None)}): {how}"
         )
 
+
+def _named_schedule_options(name: str, args: Any, need: int, asked: int | None,
+                            pending: int | None, warmup: int | None) -> dict:
+    """``install()``'s keyword arguments for a registered schedule whose chunks fit, once it
+    builds for the run's pipeline size and microbatch count."""
     shaping = dict(
         max_pending_backward=pending,
         warmup_forwards=warmup,
@@ -338,6 +325,44 @@ def schedule_options_from_args(args: Any) -> dict | None:
         p2p_timeout_s=getattr(args, "pp_p2p_timeout_s", None),
         trace=bool(getattr(args, "pp_trace", False)),
     ), args)
+
+
+def schedule_options_from_args(args: Any) -> dict | None:
+    """Check the plugin's arguments against Megatron's and return ``install()``'s keyword
+    arguments, or None when no schedule is asked for. Raises ValueError naming the fix."""
+    name = getattr(args, "pipeline_schedule", None)
+    if not name:
+        _refuse_plugin_flags_without_schedule(args)
+        return None
+    try:  # e.g. a typo in $MEGATRON_PP_SCHEDULE set after the arguments were parsed
+        name = resolve_schedule_value(name)
+    except ValueError as exc:
+        raise ValueError(f"--pipeline-schedule / ${ENV_SCHEDULE}={name!r}: {exc}") from None
+
+    if is_schedule_file(name):
+        return _file_options_from_args(name, args)
+
+    if name == AUTO:  # the candidates follow from how Megatron chunks the model
+        return _with_post_validation(
+            dict(schedule=AUTO, p2p_timeout_s=getattr(args, "pp_p2p_timeout_s", None),
+                 trace=bool(getattr(args, "pp_trace", False))), args)
+    spec = REGISTRY[name]
+    pp = getattr(args, "pipeline_model_parallel_size", 1) or 1
+    built = _model_chunks(args)
+    asked = getattr(args, "pp_schedule_chunks", None)
+    need, how = _chunks_needed(name, spec, args, pp, built)
+
+    pending = getattr(args, "pp_max_pending_backward", None)
+    warmup = getattr(args, "pp_warmup_forwards", None)
+    for flag, option, value in (("--pp-max-pending-backward", "max_pending_backward", pending),
+                                ("--pp-warmup-forwards", "warmup_forwards", warmup)):
+        if value is not None and not takes_option(name, option):
+            takers = SHAPING_OPTIONS[option]
+            raise ValueError(f"{flag} {value} shapes {' and '.join(takers)} only, and {name} "
+                             f"would ignore it: drop it or use --pipeline-schedule "
+                             f"{' or '.join(takers)}")
+    _refuse_chunk_mismatch(name, args, pp, asked, need, built, how)
+    return _named_schedule_options(name, args, need, asked, pending, warmup)
 
 
 def _with_post_validation(options: dict, args: Any) -> dict:
@@ -358,8 +383,6 @@ def _with_post_validation(options: dict, args: Any) -> dict:
 def _file_options_from_args(path: str, args: Any) -> dict:
     """``install()``'s keyword arguments for ``--pipeline-schedule FILE``, once the file's
     pipeline size, microbatch count, chunks and layout agree with Megatron's arguments."""
-    from ..schedules import schedule_layout
-    from .options import PipelineOptions
 
     schedule = PipelineOptions(schedule=path).file_schedule()  # validated, NCCL's rules too
     p, m, v = schedule.num_ranks, schedule.num_microbatches, schedule.chunks

@@ -15,7 +15,10 @@ import hashlib
 import os
 from dataclasses import asdict, dataclass, fields
 
-from ..schedules import SHAPING_OPTIONS
+from ..analysis.lowering import nccl_posting
+from ..ir import ScheduleError
+from ..schedules import (SHAPING_OPTIONS, is_schedule_file, parse_schedule_file,
+                         read_schedule_file, resolve_schedule, takes_option)
 
 ENV_SCHEDULE = "MEGATRON_PP_SCHEDULE"
 DEFAULT_P2P_TIMEOUT_S = 600.0
@@ -56,8 +59,6 @@ class PipelineOptions:
     run_ahead: bool = False
 
     def __post_init__(self):
-        from ..schedules import is_schedule_file, resolve_schedule, takes_option
-
         if is_schedule_file(self.schedule):
             self._check_schedule_file()
         elif self.schedule_text is not None:
@@ -101,8 +102,6 @@ class PipelineOptions:
         return _checked_file_schedule(self.schedule_text, self.schedule, forward_only)
 
     def _check_schedule_file(self) -> None:
-        from ..schedules import read_schedule_file
-
         if self.schedule_text is None:
             object.__setattr__(self, "schedule_text", read_schedule_file(self.schedule))
         schedule = self.file_schedule()
@@ -174,9 +173,6 @@ def _checked_file_schedule(text: str, path: str, forward_only: bool):
     the executor's P2P program for it passes NCCL's rules (``analysis.lowering.nccl_posting``:
     Megatron's fused calls, else one batch per round); raises ``ScheduleError`` naming the
     file otherwise. Cached per text: the same ``Schedule`` object each time."""
-    from ..ir import ScheduleError
-    from ..analysis.lowering import nccl_posting
-    from ..schedules import parse_schedule_file
 
     schedule = parse_schedule_file(text, path, forward_only)
     try:

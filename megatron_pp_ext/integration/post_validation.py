@@ -70,6 +70,7 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+from .. import device as device_helper
 
 
 HISTORY = 1024  # StepOutcome's kept per optimizer
@@ -212,7 +213,6 @@ def _device(leaf) -> torch.device:
     the current CUDA device, else the CPU)."""
     for param in leaf.get_parameters():
         return param.device
-    from .. import device as device_helper
 
     if device_helper.cuda_available():
         return device_helper.current_cuda_device()

@@ -27,19 +27,20 @@ import functools
 import importlib
 import random
 from typing import Any
+from ..schedules import (
+    REGISTRY,
+    canonical_name,
+    is_schedule_file,
+    load_schedule_file,
+    schedule_layout,
+)
+from .. import device as device_helper
 
 def uses_v_layout(args: Any) -> bool:
     """Whether ``--pipeline-schedule`` asks for a V-layout schedule (zb-v, dualpipev)."""
     name = getattr(args, "pipeline_schedule", None)
     if not name:
         return False
-    from ..schedules import (
-        REGISTRY,
-        canonical_name,
-        is_schedule_file,
-        load_schedule_file,
-        schedule_layout,
-    )
 
     if is_schedule_file(name):
         return schedule_layout(load_schedule_file(name)) == "v"
@@ -173,8 +174,6 @@ def _seeded_as_pipeline_rank(rank: int):
     from megatron.core import tensor_parallel
     from megatron.training import get_args
     from megatron.training.initialize import _set_random_seed
-
-    from .. import device as device_helper
 
     args = get_args()
     tracker = tensor_parallel.get_cuda_rng_tracker()

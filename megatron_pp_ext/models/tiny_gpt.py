@@ -243,6 +243,76 @@ def transformer_layer_spec(config, layer_spec=None):
     return dataclasses.replace(spec, submodules=submodules)
 
 
+def _chunk_sizes(parallel_state, pp_rank: Optional[int], pp_size: Optional[int],
+                 vp_size: Optional[int], layout: str) -> tuple[int, int, Optional[int]]:
+    """``(pp_rank, pp_size, vp_size)`` with the defaults filled in: pp from Megatron's
+    ``parallel_state`` (the module, passed by the caller that imported it), vp None for one
+    chunk per rank, 2 for the V layout."""
+    if pp_rank is None:
+        pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    if pp_size is None:
+        pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+    if vp_size is not None and vp_size < 2:
+        vp_size = None
+    if layout == "v" and vp_size is None:
+        vp_size = 2
+    return pp_rank, pp_size, vp_size
+
+
+def _check_sizes_agree(parallel_state, config, pp_size: int, vp_size: Optional[int],
+                       v: int) -> None:
+    """The ``TransformerConfig`` and, once initialized, Megatron's parallel state must have the
+    pp and vp sizes the chunks are built for: else Megatron would build other layers."""
+    if config.pipeline_model_parallel_size != pp_size or (
+        config.virtual_pipeline_model_parallel_size or 1
+    ) != v:
+        raise ValueError(
+            f"config has pp={config.pipeline_model_parallel_size}, "
+            f"vp={config.virtual_pipeline_model_parallel_size}; expected pp={pp_size}, vp={vp_size}"
+        )
+    if parallel_state.model_parallel_is_initialized():
+        mp_pp = parallel_state.get_pipeline_model_parallel_world_size()
+        mp_vp = parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1
+        if (mp_pp, mp_vp) != (pp_size, v):
+            raise ValueError(
+                f"Megatron's parallel state has pp={mp_pp}, vp={mp_vp}; asked for pp={pp_size}, "
+                f"vp={v}: call launch.init_megatron({pp_size}, {vp_size}) first"
+            )
+
+
+def _pre_post_process(parallel_state, layout: str, stage: int, n_stages: int,
+                      vp_stage: Optional[int]) -> tuple[bool, bool]:
+    """``(pre_process, post_process)`` of ``stage``: whether it holds the embeddings, and the
+    output layer and loss. In the loop layout, once Megatron is initialized, Megatron's own
+    answer (checked against ours); the V layout's cannot come from Megatron (module notes)."""
+    pre_process = stage == 0
+    post_process = stage == n_stages - 1
+    if layout == "loop" and parallel_state.model_parallel_is_initialized():
+        # The loop placement is Megatron's own: take pre/post from it and check our map.
+        mg_pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+        mg_post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+        assert (mg_pre, mg_post) == (pre_process, post_process), (stage, mg_pre, mg_post)
+        pre_process, post_process = mg_pre, mg_post
+    return pre_process, post_process
+
+
+def _finish_chunk(model: torch.nn.Module, cfg: TinyGPTConfig, stage: int, n_stages: int,
+                  init: bool) -> None:
+    """Check that Megatron built ``stage``'s layers, give them their global numbers, annotate
+    the chunk with its stage and, with ``init``, fill its weights from their global names."""
+    layers = stage_layers(cfg, stage, n_stages)
+    if len(model.decoder.layers) != len(layers):
+        raise AssertionError(
+            f"Megatron built {len(model.decoder.layers)} layers for stage {stage}, "
+            f"expected {len(layers)}"
+        )
+    _renumber_layers(model, layers.start)
+    model.pipeline_stage = stage  # our annotation: the global stage index of this chunk
+    model.pipeline_num_stages = n_stages
+    if init:
+        init_weights(model, cfg)
+
+
 def build_model_chunks(
     cfg: TinyGPTConfig = TinyGPTConfig(),
     pp_rank: Optional[int] = None,
@@ -272,47 +342,20 @@ def build_model_chunks(
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-    if pp_rank is None:
-        pp_rank = parallel_state.get_pipeline_model_parallel_rank()
-    if pp_size is None:
-        pp_size = parallel_state.get_pipeline_model_parallel_world_size()
-    if vp_size is not None and vp_size < 2:
-        vp_size = None
-    if layout == "v" and vp_size is None:
-        vp_size = 2
+    pp_rank, pp_size, vp_size = _chunk_sizes(parallel_state, pp_rank, pp_size, vp_size, layout)
     v = _check_layout(pp_size, vp_size, layout)
     n_stages = num_stages(pp_size, vp_size)
     stage_layers(cfg, 0, n_stages)  # validates divisibility
     if config is None:
         config = make_transformer_config(cfg, pp_size, vp_size)
-    if config.pipeline_model_parallel_size != pp_size or (
-        config.virtual_pipeline_model_parallel_size or 1
-    ) != v:
-        raise ValueError(
-            f"config has pp={config.pipeline_model_parallel_size}, "
-            f"vp={config.virtual_pipeline_model_parallel_size}; expected pp={pp_size}, vp={vp_size}"
-        )
-    if parallel_state.model_parallel_is_initialized():
-        mp_pp = parallel_state.get_pipeline_model_parallel_world_size()
-        mp_vp = parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1
-        if (mp_pp, mp_vp) != (pp_size, v):
-            raise ValueError(
-                f"Megatron's parallel state has pp={mp_pp}, vp={mp_vp}; asked for pp={pp_size}, "
-                f"vp={v}: call launch.init_megatron({pp_size}, {vp_size}) first"
-            )
+    _check_sizes_agree(parallel_state, config, pp_size, vp_size, v)
 
     stages = chunk_stages(pp_rank, pp_size, vp_size, layout)
     chunks: list[torch.nn.Module] = []
     for chunk_id, stage in enumerate(stages):
         vp_stage = chunk_id if vp_size is not None else None
-        pre_process = stage == 0
-        post_process = stage == n_stages - 1
-        if layout == "loop" and parallel_state.model_parallel_is_initialized():
-            # The loop placement is Megatron's own: take pre/post from it and check our map.
-            mg_pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
-            mg_post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
-            assert (mg_pre, mg_post) == (pre_process, post_process), (stage, mg_pre, mg_post)
-            pre_process, post_process = mg_pre, mg_post
+        pre_process, post_process = _pre_post_process(parallel_state, layout, stage, n_stages,
+                                                      vp_stage)
         spec = transformer_layer_spec(config, layer_spec)
         if config.sequence_parallel:  # the block's final norm too
             spec = TransformerBlockSubmodules(
@@ -329,17 +372,7 @@ def build_model_chunks(
             position_embedding_type="learned_absolute",
             vp_stage=vp_stage,
         )
-        layers = stage_layers(cfg, stage, n_stages)
-        if len(model.decoder.layers) != len(layers):
-            raise AssertionError(
-                f"Megatron built {len(model.decoder.layers)} layers for stage {stage}, "
-                f"expected {len(layers)}"
-            )
-        _renumber_layers(model, layers.start)
-        model.pipeline_stage = stage  # our annotation: the global stage index of this chunk
-        model.pipeline_num_stages = n_stages
-        if init:
-            init_weights(model, cfg)
+        _finish_chunk(model, cfg, stage, n_stages, init)
         chunks.append(model)
 
     if wrap_ddp:

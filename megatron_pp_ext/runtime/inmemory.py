@@ -6,6 +6,7 @@ import threading
 from typing import Callable
 
 from .transport import InMemoryFabric
+from .errors import PipelineTimeoutError
 
 
 def run_ranks_in_threads(world_size: int, rank_fn: Callable[[int, object], object],
@@ -55,6 +56,4 @@ def _run(world_size: int, rank_fn, timeout_s: float, fabric) -> list:
 
 
 def _is_abort(exc: BaseException) -> bool:
-    from .errors import PipelineTimeoutError
-
     return isinstance(exc, PipelineTimeoutError)

@@ -35,6 +35,8 @@ import torch
 from ..ir import Schedule
 from .executor import Executor, StepResult
 from .weight_versions import ForwardFn, VersionedStageWork, plan_versions
+from ..schedules import build_async_schedule
+from .transport import TorchDistTransport
 
 
 @dataclass
@@ -67,8 +69,6 @@ class AsyncPipeline:
                  rank: int | None = None, device: torch.device | None = None,
                  timeout_s: float = 600.0, trace: bool = False, on_loss=None):
         if isinstance(schedule, str):
-            from ..schedules import build_async_schedule
-
             import torch.distributed as dist
 
             size = transport.world_size if transport is not None else dist.get_world_size(group)
@@ -78,8 +78,6 @@ class AsyncPipeline:
             schedule = build_async_schedule(schedule, size, num_microbatches, steps=steps,
                                             **options)
         if transport is None:
-            from .transport import TorchDistTransport
-
             transport = TorchDistTransport(group, timeout_s=timeout_s)
         self.schedule, self.transport = schedule, transport
         self.rank = transport.rank if rank is None else rank

@@ -44,6 +44,7 @@ from ..analysis.measured import (  # the statistics of what this module gathers
 )
 from ..ir import Schedule
 from ..timeline import COMM_WAIT, Event, Timeline
+from ..analysis.render import render_chrome_trace
 
 logger = logging.getLogger("megatron_pp_ext")
 
@@ -137,7 +138,6 @@ TRACE_FILE = "pp_trace.json"
 def write_chrome_trace(timeline: Timeline, folder: str) -> Path:
     """``folder/pp_trace.json``: the measured step as a Chrome trace (written to a temporary
     name, then renamed, so a reader never sees half a file)."""
-    from ..analysis.render import render_chrome_trace
 
     path = Path(folder) / TRACE_FILE
     path.parent.mkdir(parents=True, exist_ok=True)

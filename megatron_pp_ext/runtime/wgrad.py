@@ -77,6 +77,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..ir import Action
+from .memory import unique_bytes
 
 _capture = threading.local()  # the running I's (or B's) capture; see WeightGradSplit.capturing
 _patch_lock = threading.Lock()
@@ -692,7 +693,6 @@ class WeightGradSplit:
 
     def held_bytes(self) -> int:
         """Bytes of the unique storages of :meth:`held_tensors`."""
-        from .memory import unique_bytes
 
         return unique_bytes(self.held_tensors())
 

@@ -28,6 +28,7 @@ from .pipedream import PIPEDREAM, PIPEDREAM_2BW, build_pipedream, build_pipedrea
 from .validate import validate_schedule
 from .zero_bubble import build_zb_h1, build_zb_h2
 from .zb_v import build_zb_v
+from .pipedream import plan_versions
 
 
 @dataclass(frozen=True)
@@ -126,8 +127,6 @@ def build_async_schedule(name: str, num_ranks: int, num_microbatches: int, steps
                             f"{', '.join(ASYNC_REGISTRY)}")
     schedule = ASYNC_REGISTRY[key](num_ranks, num_microbatches, steps=steps, **options)
     if validate:
-        from .pipedream import plan_versions
-
         validate_schedule(schedule)
         plan_versions(schedule)  # every F's version is made before it runs
     return schedule

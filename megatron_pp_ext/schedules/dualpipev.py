@@ -59,73 +59,101 @@ from ..ir import Action, Schedule
 from ._common import check_sizes, require, v_placement
 
 
-def _rank_order(p: int, m: int, rank: int, match_dualpipe: bool = False) -> list[Action]:
-    """DualPipeV's action order on one rank (needs m >= 2p)."""
-    a, b = rank, 2 * p - 1 - rank
-    forwards = {a: 0, b: 0}  # next microbatch per stage
-    backwards = {a: 0, b: 0}
-    owed_w: deque = deque()
-    order: list[Action] = []
+class _OrderWriter:
+    """One rank's action list being written: the next forward and backward microbatch of each
+    of its two stages, and the deferred W's it still owes, oldest first."""
 
-    def forward(stage: int) -> None:
-        order.append(Action(stage, "F", forwards[stage]))
-        forwards[stage] += 1
+    def __init__(self, a: int, b: int) -> None:
+        self.forwards = {a: 0, b: 0}  # next microbatch per stage
+        self.backwards = {a: 0, b: 0}
+        self.owed_w: deque = deque()
+        self.order: list[Action] = []
 
-    def backward(stage: int, split: bool = False) -> None:
-        mb = backwards[stage]
-        backwards[stage] += 1
+    def forward(self, stage: int) -> None:
+        self.order.append(Action(stage, "F", self.forwards[stage]))
+        self.forwards[stage] += 1
+
+    def backward(self, stage: int, split: bool = False) -> None:
+        """A full backward ``B``, or with ``split`` an ``I`` whose ``W`` is owed."""
+        mb = self.backwards[stage]
+        self.backwards[stage] += 1
         if split:
-            order.append(Action(stage, "I", mb))
-            owed_w.append(Action(stage, "W", mb))
+            self.order.append(Action(stage, "I", mb))
+            self.owed_w.append(Action(stage, "W", mb))
         else:
-            order.append(Action(stage, "B", mb))
+            self.order.append(Action(stage, "B", mb))
 
-    def weight() -> None:
-        order.append(owed_w.popleft())
+    def weight(self) -> None:
+        """The oldest deferred weight gradient."""
+        self.order.append(self.owed_w.popleft())
 
+
+def _warm_up(out: _OrderWriter, p: int, rank: int, match_dualpipe: bool) -> None:
+    """Steps 1-3 (see the module notes): forwards until the first backward, then the
+    zero-bubble rounds."""
+    a, b = rank, 2 * p - 1 - rank
     # 1. warm-up of chunk 0 (DualPipe: twice as many; here the other half runs in step 3)
     for _ in range((2 if match_dualpipe else 1) * (p - rank - 1)):
-        forward(a)
+        out.forward(a)
     # 2. both chunks
     for _ in range(rank + 1):
-        forward(a)
-        forward(b)
+        out.forward(a)
+        out.forward(b)
     # 3. a pair (chunk-0 forward, chunk-1 input gradient), that I's W, a chunk-1 forward
     for _ in range(p - rank - 1):
         if not match_dualpipe:
-            forward(a)
-        backward(b, split=True)
-        weight()
-        forward(b)
+            out.forward(a)
+        out.backward(b, split=True)
+        out.weight()
+        out.forward(b)
+
+
+def _steady(out: _OrderWriter, p: int, m: int, rank: int) -> None:
+    """Steps 4-5: the overlapped F&B pairs, until the last forward."""
+    a, b = rank, 2 * p - 1 - rank
     # 4. main step: two overlapped F&B pairs per round
     for _ in range(m - 2 * p + rank + 1):
-        forward(a)
-        backward(b)
-        forward(b)
-        backward(a)
+        out.forward(a)
+        out.backward(b)
+        out.forward(b)
+        out.backward(a)
     # 5. a chunk-1 backward, then one overlapped pair
     for _ in range(p - rank - 1):
-        backward(b)
-        forward(b)
-        backward(a)
+        out.backward(b)
+        out.forward(b)
+        out.backward(a)
+
+
+def _cool_down(out: _OrderWriter, p: int, rank: int) -> None:
+    """Steps 6-8: the backwards left, the later ones split, and the W's they defer."""
+    a, b = rank, 2 * p - 1 - rank
     # 6. backwards of both chunks; the later half defer their weight gradients
     split = False
     for i in range(rank + 1):
         if i == (rank + 1) // 2 and rank % 2 == 1:
             split = True
-        backward(b, split)
+        out.backward(b, split)
         if i == (rank + 1) // 2 and rank % 2 == 0:
             split = True
-        backward(a, split)
+        out.backward(a, split)
     # 7. a deferred weight gradient, then a chunk-0 input gradient
     for _ in range(p - rank - 1):
-        weight()
-        backward(a, split=True)
+        out.weight()
+        out.backward(a, split=True)
     # 8. the deferred weight gradients left
     for _ in range(rank + 1):
-        weight()
-    assert not owed_w and forwards == {a: m, b: m} and backwards == {a: m, b: m}
-    return order
+        out.weight()
+
+
+def _rank_order(p: int, m: int, rank: int, match_dualpipe: bool = False) -> list[Action]:
+    """DualPipeV's action order on one rank (needs m >= 2p)."""
+    a, b = rank, 2 * p - 1 - rank
+    out = _OrderWriter(a, b)
+    _warm_up(out, p, rank, match_dualpipe)
+    _steady(out, p, m, rank)
+    _cool_down(out, p, rank)
+    assert not out.owed_w and out.forwards == {a: m, b: m} and out.backwards == {a: m, b: m}
+    return out.order
 
 
 def build_dualpipev(num_ranks: int, num_microbatches: int, chunks: int = 2,

@@ -64,6 +64,124 @@ class StuckError(ScheduleError):
     """The list scheduler reached a state where no rank could run anything (internal)."""
 
 
+class _ListScheduler:
+    """The state of ``merge_streams``'s unit-time simulation: what has run and when, what each
+    rank holds and owes, and the messages in flight on each channel."""
+
+    def __init__(self, placement: tuple[int, ...], num_microbatches: int,
+                 streams: Sequence[Sequence[Sequence[tuple[int, str]]]],
+                 preference: Callable[[int, int, str, int], tuple],
+                 live_cap: Sequence[int] | None, grad_cap: Sequence[int] | None,
+                 pending_cap: Sequence[int] | None) -> None:
+        self.placement, self.streams, self.preference = placement, streams, preference
+        self.num_stages = len(placement)
+        num_ranks = len(streams)
+        unbounded = [self.num_stages * num_microbatches + 1] * num_ranks
+        self.live_cap = list(live_cap) if live_cap is not None else unbounded
+        self.grad_cap = list(grad_cap) if grad_cap is not None else unbounded
+        self.pending_cap = list(pending_cap) if pending_cap is not None else unbounded
+
+        self.finished: dict[tuple, int] = {}  # (stage, kind, microbatch) -> end slot
+        self.issued: dict[tuple[int, str], int] = {}  # (stage, kind) -> microbatches run so far
+        self.heads = [[0] * len(rank_streams) for rank_streams in streams]
+        self.live = [0] * num_ranks
+        self.pending: list[deque] = [deque() for _ in range(num_ranks)]  # W's owed, in I order
+        self.channels: dict[tuple[int, int], deque] = {}  # (src, dst) -> messages not received
+        self.rows: list[list[tuple]] = [[] for _ in range(num_ranks)]
+        # every stream entry runs once, and every I owes one W
+        self.total = sum(len(stream) for rank_streams in streams for stream in rank_streams)
+        self.total += sum(1 for rank_streams in streams for stream in rank_streams
+                          for _, kind in stream if kind == I)
+
+    def arrived(self, message: tuple, src: int, dst: int, now: int) -> bool:
+        """The message's sender finished before ``now`` and the message heads its channel."""
+        if self.finished.get(message, now + 1) > now:
+            return False
+        if src == dst:
+            return True
+        queue = self.channels.get((src, dst))
+        return bool(queue) and queue[0] == message
+
+    def ready(self, rank: int, stage: int, kind: str, now: int) -> bool:
+        """The next (stage, kind) may run on ``rank`` at ``now``: its inputs have arrived and
+        running it keeps the rank within its caps."""
+        mb = self.issued.get((stage, kind), 0)
+        live, pending, placement = self.live, self.pending, self.placement
+        if kind == F:
+            if (live[rank] >= self.live_cap[rank]
+                    or live[rank] - len(pending[rank]) >= self.grad_cap[rank]):
+                return False
+            return stage == 0 or self.arrived((stage - 1, F, mb), placement[stage - 1], rank, now)
+        if (len(pending[rank]) >= self.pending_cap[rank]
+                or self.finished.get((stage, F, mb), now + 1) > now):
+            return False
+        return stage == self.num_stages - 1 or self.arrived(
+            (stage + 1, I, mb), placement[stage + 1], rank, now
+        )
+
+    def run(self, rank: int, action: tuple, now: int) -> None:
+        """Run ``action`` on ``rank`` in slot ``now``: update what the rank holds and owes, take
+        its input off its channel and put its output on the next one."""
+        stage, kind, mb = action
+        placement, num_stages = self.placement, self.num_stages
+        if kind == W:
+            self.pending[rank].popleft()
+            self.live[rank] -= 1
+        else:
+            self.issued[(stage, kind)] = mb + 1
+            if kind == F:
+                self.live[rank] += 1
+                receive_from, send_to = stage - 1, stage + 1
+            else:
+                self.pending[rank].append((stage, W, mb))
+                receive_from, send_to = stage + 1, stage - 1
+            if 0 <= receive_from < num_stages and placement[receive_from] != rank:
+                self.channels[(placement[receive_from], rank)].popleft()
+            if 0 <= send_to < num_stages and placement[send_to] != rank:
+                self.channels.setdefault((rank, placement[send_to]), deque()).append(action)
+        self.finished[action] = now + 1
+        self.rows[rank].append(action)
+
+    def options(self, rank: int, now: int) -> list[tuple]:
+        """(preference, stream index or -1 for the owed W, action) for every action ``rank``
+        could run at ``now``."""
+        options = []
+        for index, stream in enumerate(self.streams[rank]):
+            if self.heads[rank][index] < len(stream):
+                stage, kind = stream[self.heads[rank][index]]
+                if self.ready(rank, stage, kind, now):
+                    action = (stage, kind, self.issued.get((stage, kind), 0))
+                    options.append((self.preference(rank, *action), index, action))
+        pending = self.pending[rank]
+        if pending:
+            options.append((self.preference(rank, *pending[0]), -1, pending[0]))
+        return options
+
+    def play_slot(self, now: int) -> int:
+        """Let every rank, in rank order, run its preferred option in slot ``now``; the number
+        of actions run. What a rank runs in this slot is seen by the others from the next."""
+        ran = 0
+        for rank in range(len(self.streams)):
+            options = self.options(rank, now)
+            if options:
+                _, index, action = min(options)
+                if index >= 0:
+                    self.heads[rank][index] += 1
+                self.run(rank, action, now)
+                ran += 1
+        return ran
+
+    def stuck(self, slot: int, done: int) -> StuckError:
+        """The error for a slot in which no rank could run anything."""
+        return StuckError(
+            f"list scheduler stuck at slot {slot} after {done} of {self.total} actions "
+            f"(live {self.live}, caps {self.live_cap}/{self.grad_cap}, "
+            f"pending caps {self.pending_cap}); "
+            "last actions per rank: "
+            + "; ".join(" ".join(f"{s}{k}{j}" for s, k, j in row[-8:]) for row in self.rows)
+        )
+
+
 def merge_streams(
     stage_to_rank: Sequence[int],
     num_microbatches: int,
@@ -90,95 +208,16 @@ def merge_streams(
     channel's messages in the same order on both of its ends never wait on that.
     Raises ``StuckError`` if every rank is left waiting forever.
     """
-    placement = tuple(stage_to_rank)
-    num_stages, m = len(placement), num_microbatches
-    num_ranks = len(streams)
-    unbounded = [num_stages * m + 1] * num_ranks
-    live_cap = list(live_cap) if live_cap is not None else unbounded
-    grad_cap = list(grad_cap) if grad_cap is not None else unbounded
-    pending_cap = list(pending_cap) if pending_cap is not None else unbounded
-
-    finished: dict[tuple, int] = {}  # (stage, kind, microbatch) -> end slot
-    issued: dict[tuple[int, str], int] = {}  # (stage, kind) -> microbatches run so far
-    heads = [[0] * len(rank_streams) for rank_streams in streams]
-    live = [0] * num_ranks
-    pending: list[deque] = [deque() for _ in range(num_ranks)]  # W's owed, in I order
-    channels: dict[tuple[int, int], deque] = {}  # (src, dst) -> messages not yet received
-    rows: list[list[tuple]] = [[] for _ in range(num_ranks)]
-    total = sum(len(stream) for rank_streams in streams for stream in rank_streams)
-    total += sum(1 for rank_streams in streams for stream in rank_streams
-                 for _, kind in stream if kind == I)
-
-    def arrived(message: tuple, src: int, dst: int, now: int) -> bool:
-        """The message's sender finished before ``now`` and the message heads its channel."""
-        if finished.get(message, now + 1) > now:
-            return False
-        if src == dst:
-            return True
-        queue = channels.get((src, dst))
-        return bool(queue) and queue[0] == message
-
-    def ready(rank: int, stage: int, kind: str, now: int) -> bool:
-        mb = issued.get((stage, kind), 0)
-        if kind == F:
-            if live[rank] >= live_cap[rank] or live[rank] - len(pending[rank]) >= grad_cap[rank]:
-                return False
-            return stage == 0 or arrived((stage - 1, F, mb), placement[stage - 1], rank, now)
-        if len(pending[rank]) >= pending_cap[rank] or finished.get((stage, F, mb), now + 1) > now:
-            return False
-        return stage == num_stages - 1 or arrived(
-            (stage + 1, I, mb), placement[stage + 1], rank, now
-        )
-
-    def run(rank: int, action: tuple, now: int) -> None:
-        stage, kind, mb = action
-        if kind == W:
-            pending[rank].popleft()
-            live[rank] -= 1
-        else:
-            issued[(stage, kind)] = mb + 1
-            if kind == F:
-                live[rank] += 1
-                receive_from, send_to = stage - 1, stage + 1
-            else:
-                pending[rank].append((stage, W, mb))
-                receive_from, send_to = stage + 1, stage - 1
-            if 0 <= receive_from < num_stages and placement[receive_from] != rank:
-                channels[(placement[receive_from], rank)].popleft()
-            if 0 <= send_to < num_stages and placement[send_to] != rank:
-                channels.setdefault((rank, placement[send_to]), deque()).append(action)
-        finished[action] = now + 1
-        rows[rank].append(action)
-
+    state = _ListScheduler(tuple(stage_to_rank), num_microbatches, streams, preference,
+                           live_cap, grad_cap, pending_cap)
     done, slot = 0, 0
-    while done < total:
-        progressed = False
-        for rank in range(num_ranks):  # what a rank runs in this slot is seen from the next
-            options = []
-            for index, stream in enumerate(streams[rank]):
-                if heads[rank][index] < len(stream):
-                    stage, kind = stream[heads[rank][index]]
-                    if ready(rank, stage, kind, slot):
-                        action = (stage, kind, issued.get((stage, kind), 0))
-                        options.append((preference(rank, *action), index, action))
-            if pending[rank]:
-                options.append((preference(rank, *pending[rank][0]), -1, pending[rank][0]))
-            if options:
-                _, index, action = min(options)
-                if index >= 0:
-                    heads[rank][index] += 1
-                run(rank, action, slot)
-                done += 1
-                progressed = True
-        if not progressed:  # every earlier action has ended: nothing will ever change
-            raise StuckError(
-                f"list scheduler stuck at slot {slot} after {done} of {total} actions "
-                f"(live {live}, caps {live_cap}/{grad_cap}, pending caps {pending_cap}); "
-                "last actions per rank: "
-                + "; ".join(" ".join(f"{s}{k}{j}" for s, k, j in row[-8:]) for row in rows)
-            )
+    while done < state.total:
+        ran = state.play_slot(slot)
+        if not ran:  # every earlier action has ended: nothing will ever change
+            raise state.stuck(slot, done)
+        done += ran
         slot += 1
-    return [[Action(*a) for a in row] for row in rows]
+    return [[Action(*a) for a in row] for row in state.rows]
 
 
 def kind_first(order: str, later_stage_first: bool = False) -> Callable[..., tuple]:

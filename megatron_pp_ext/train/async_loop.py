@@ -23,6 +23,9 @@ import torch.distributed as dist
 from .launcher import detect, run_launched, run_local
 from .quiet import hide_megatron_warnings
 from .settings import TrainSettings
+from .report import write_outputs
+from ..analysis.simulate import CostModel, simulate
+from ..timeline import Timeline
 
 
 def staleness(settings: TrainSettings) -> str:
@@ -70,40 +73,11 @@ def async_train_rank(rank: int, world_size: int, settings: TrainSettings,
     last = p - 1
     pp_group = parallel_state.get_pipeline_model_parallel_group()
     pp_rank = pp_group.rank()
-
-    def forward_fn(stage, microbatch, call, input_tensor):
-        batch = batches[microbatch]
-        if stage != 0:
-            chunk.set_input_tensor(input_tensor)
-        output = call(batch["tokens"], batch["position_ids"], batch["attention_mask"],
-                      labels=batch["labels"])
-        if stage == last:
-            return tiny_gpt.loss_func(batch["loss_mask"], output)[0]
-        return output
-
-    lines = []
-    clock = {"last": time.perf_counter()}
-    batch_losses: list[float] = []
-
-    def on_loss(microbatch, value):
-        batch_losses.append(value)
-        if (microbatch + 1) % m:
-            return
-        step = (microbatch + 1) // m
-        now = time.perf_counter()
-        mean = sum(batch_losses[-m:]) / m
-        line = (f"[{step:>{len(str(steps))}}/{steps}] step {step}  loss {mean:7.4f}  time "
-                f"{now - clock['last']:6.3f} s")
-        clock["last"] = now
-        lines.append(line)
-        print(line, flush=True)
+    forward_fn = _forward_fn(chunk, batches, last, tiny_gpt.loss_func)
+    on_loss = _BatchLines(m, steps)
 
     if pp_rank == last:
-        print(f"training the tiny Megatron-Core GPT ({cfg.num_layers} layers, hidden "
-              f"{cfg.hidden_size}) with {settings.schedule}"
-              f"{' (vertical sync)' if settings.vertical_sync else ''}: pp={p}, {steps} "
-              f"batches of {m} microbatches in one action list (no flush), gloo via {launcher}"
-              f"\nstaleness: {staleness(settings)}", flush=True)
+        print(_opening_line(settings, cfg, launcher), flush=True)
     transport = TorchDistTransport(pp_group, timeout_s=settings.p2p_timeout_s)
     pipeline = AsyncPipeline(settings.schedule, [chunk], optimizer, forward_fn,
                              num_microbatches=m, steps=steps,
@@ -115,6 +89,71 @@ def async_train_rank(rank: int, world_size: int, settings: TrainSettings,
     t0 = time.perf_counter()
     result = pipeline.run()
     seconds = time.perf_counter() - t0
+    gathered = _gather_ranks(pipeline, result, chunk, pp_group, settings.trace)
+    if pp_rank != last:
+        return None
+    summary, measured, predicted = _summary(settings, pipeline, result, gathered, seconds,
+                                            launcher, started)
+
+    files = write_outputs(settings.out, summary, predicted, measured)
+    print(_closing_line(summary, files, measured, predicted), flush=True)
+    return summary
+
+
+def _forward_fn(chunk, batches: list[dict], last: int, loss_func):
+    """The pipeline's forward of one microbatch on this rank's stage: the loss on the last
+    stage, the activations to send on elsewhere."""
+
+    def forward_fn(stage, microbatch, call, input_tensor):
+        batch = batches[microbatch]
+        if stage != 0:
+            chunk.set_input_tensor(input_tensor)
+        output = call(batch["tokens"], batch["position_ids"], batch["attention_mask"],
+                      labels=batch["labels"])
+        if stage == last:
+            return loss_func(batch["loss_mask"], output)[0]
+        return output
+
+    return forward_fn
+
+
+class _BatchLines:
+    """``on_loss`` for the last stage: a batch's line as soon as its last microbatch's loss
+    arrives (the losses come one microbatch at a time, with no flush between batches)."""
+
+    def __init__(self, m: int, steps: int):
+        self.m, self.steps = m, steps
+        self.lines: list[str] = []
+        self.clock = {"last": time.perf_counter()}
+        self.batch_losses: list[float] = []
+
+    def __call__(self, microbatch, value):
+        m, steps, clock = self.m, self.steps, self.clock
+        self.batch_losses.append(value)
+        if (microbatch + 1) % m:
+            return
+        step = (microbatch + 1) // m
+        now = time.perf_counter()
+        mean = sum(self.batch_losses[-m:]) / m
+        line = (f"[{step:>{len(str(steps))}}/{steps}] step {step}  loss {mean:7.4f}  time "
+                f"{now - clock['last']:6.3f} s")
+        clock["last"] = now
+        self.lines.append(line)
+        print(line, flush=True)
+
+
+def _opening_line(settings: TrainSettings, cfg, launcher: str) -> str:
+    return (f"training the tiny Megatron-Core GPT ({cfg.num_layers} layers, hidden "
+            f"{cfg.hidden_size}) with {settings.schedule}"
+            f"{' (vertical sync)' if settings.vertical_sync else ''}: pp={settings.pp}, "
+            f"{settings.steps} batches of {settings.microbatches} microbatches in one action "
+            f"list (no flush), gloo via {launcher}\nstaleness: {staleness(settings)}")
+
+
+def _gather_ranks(pipeline, result, chunk, pp_group, trace: bool) -> list[dict]:
+    """Every rank's weight versions, their bytes and peak activations (and events, with
+    ``trace``), gathered on every rank of the pipeline (a collective)."""
+    pp_rank = pp_group.rank()
     mine = {"rank": pp_rank, "versions_held": result.max_versions_held,
             "stashed_weight_bytes": result.max_stashed_bytes,
             "parameter_bytes": sum(q.numel() * q.element_size() for q in chunk.parameters()),
@@ -123,12 +162,18 @@ def async_train_rank(rank: int, world_size: int, settings: TrainSettings,
             # leaves that require grad, are not counted); None where not measured
             "peak_activation_bytes": getattr(result.step, "peak_bytes", None),
             "planned_versions_held": pipeline.plan.max_held[pp_rank]}
-    if settings.trace:
+    if trace:
         mine["events"] = result.step.events
     gathered: list = [None] * pp_group.size()
     dist.all_gather_object(gathered, mine, group=pp_group)
-    if pp_rank != last:
-        return None
+    return gathered
+
+
+def _summary(settings: TrainSettings, pipeline, result, gathered: list[dict], seconds: float,
+             launcher: str, started: float):
+    """summary.json's content, with the measured and predicted timelines of the whole run
+    (None without ``trace``)."""
+    p, m, steps = settings.pp, settings.microbatches, settings.steps
     measured = predicted = None
     if settings.trace:
         measured, predicted = _timelines(pipeline.schedule, gathered)
@@ -138,7 +183,8 @@ def async_train_rank(rank: int, world_size: int, settings: TrainSettings,
         "vertical_sync": settings.vertical_sync,
         "pp": p, "microbatches": m, "steps": steps, "chunks": 1, "layout": "loop",
         "launcher": launcher, "backend": "gloo",
-        "optimizer": f"Megatron's get_megatron_optimizer: Adam, lr {settings.lr}, fp32, no clipping",
+        "optimizer": (f"Megatron's get_megatron_optimizer: Adam, lr {settings.lr}, fp32, "
+                      "no clipping"),
         "update_rule": pipeline.plan.rule.describe(),
         "staleness": staleness(settings),
         "losses": per_step,
@@ -159,22 +205,24 @@ def async_train_rank(rank: int, world_size: int, settings: TrainSettings,
                        bubble_predicted=predicted.bubble_fraction,
                        makespan_measured_s=measured.makespan,
                        makespan_predicted_s=predicted.makespan)
-    from .report import write_outputs
+    return summary, measured, predicted
 
-    files = write_outputs(settings.out, summary, predicted, measured)
-    print(f"done in {summary['seconds_total']:.1f} s: loss {per_step[0]:.4f} -> "
-          f"{per_step[-1]:.4f}, {1000 * summary['seconds_per_microbatch']:.1f} ms per "
-          f"microbatch; weight versions per rank {summary['versions_held_per_rank']} "
-          f"({', '.join(f'{b / 2**20:.2f}' for b in summary['stashed_weight_bytes_per_rank'])}"
-          f" MiB stashed); peak activations {summary['peak_activations']}"
-          + (" (" + ", ".join(f"{b / 2**20:.1f}" for b in summary["peak_activation_bytes"])
-             + " MiB)" if all(b is not None for b in summary["peak_activation_bytes"]) else "")
-          + (f"; bubble of the whole run (one fill and one drain) {100 * measured.bubble_fraction:.1f}%"
-             f" measured / {100 * predicted.bubble_fraction:.1f}% predicted from the measured "
-             "costs" if measured is not None else "")
-          + "\nwrote "
-          + ", ".join(files), flush=True)
-    return summary
+
+def _closing_line(summary: dict, files: list[str], measured, predicted) -> str:
+    per_step = summary["losses"]
+    return (f"done in {summary['seconds_total']:.1f} s: loss {per_step[0]:.4f} -> "
+            f"{per_step[-1]:.4f}, {1000 * summary['seconds_per_microbatch']:.1f} ms per "
+            f"microbatch; weight versions per rank {summary['versions_held_per_rank']} "
+            f"({', '.join(f'{b / 2**20:.2f}' for b in summary['stashed_weight_bytes_per_rank'])}"
+            f" MiB stashed); peak activations {summary['peak_activations']}"
+            + (" (" + ", ".join(f"{b / 2**20:.1f}" for b in summary["peak_activation_bytes"])
+               + " MiB)" if all(b is not None for b in summary["peak_activation_bytes"]) else "")
+            + (f"; bubble of the whole run (one fill and one drain) "
+               f"{100 * measured.bubble_fraction:.1f}%"
+               f" measured / {100 * predicted.bubble_fraction:.1f}% predicted from the measured "
+               "costs" if measured is not None else "")
+            + "\nwrote "
+            + ", ".join(files))
 
 
 def _megatron_optimizer(chunk, config, lr: float):
@@ -201,9 +249,6 @@ def _timelines(schedule, gathered: list[dict]):
     """The measured timeline of the whole run (every rank's events: one machine's monotonic
     clock) and the simulator's, under each rank's measured mean F and B."""
     import statistics
-
-    from ..analysis.simulate import CostModel, simulate
-    from ..timeline import Timeline
 
     events = [e for g in gathered for e in g["events"]]
     peaks = [g["peak_activations"] for g in gathered]

@@ -43,6 +43,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from .. import device as device_helper
+
 __all__ = ["apply_cpu_shims", "remove_cpu_shims", "cpu_shims", "shims_active", "needs_cpu_shims"]
 
 _LOCK = threading.Lock()
@@ -52,9 +54,7 @@ _ORIGINALS: list[tuple[Any, str, Any]] = []
 
 def needs_cpu_shims() -> bool:
     """True when there is no usable GPU, i.e. when the shims would be applied."""
-    from megatron_pp_ext.device import cuda_available
-
-    return not cuda_available()
+    return not device_helper.cuda_available()
 
 
 def shims_active() -> bool:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -64,74 +65,125 @@ def train_rank(rank: int, world_size: int, settings: TrainSettings, launcher: st
     dp_rank = parallel_state.get_data_parallel_rank()
     last_pipeline_rank = pp_group.rank() == pp_group.size() - 1
     installation = install(schedule=settings.schedule, trace=settings.trace,
-                                           p2p_timeout_s=settings.p2p_timeout_s,
-                                           memory=True)  # activation bytes on every step
+                           p2p_timeout_s=settings.p2p_timeout_s,
+                           memory=True)  # activation bytes on every step
     state = installation.state
 
-    progress = Progress(settings.steps) if talk else None
-    if talk:
-        progress.message(
-            f"training the tiny Megatron-Core GPT ({cfg.num_layers} layers, hidden "
-            f"{cfg.hidden_size}) with {settings.schedule}: pp={settings.pp}, v={settings.v}, "
-            f"dp={dp_size}, {settings.microbatches} microbatches of {cfg.micro_batch_size}x"
-            f"{cfg.seq_length} tokens, {settings.steps} steps, {backend} via {launcher} "
-            f"(ready in {time.perf_counter() - started:.1f} s)")
-        if settings.pp > 1:  # what the plugin logs at INFO before the first step
-            schedule = settings.first_step_schedule()
-            progress.message(plan_text(schedule, (cfg.seq_length, cfg.micro_batch_size,
-                                                  cfg.hidden_size), torch.float32))
-        progress.start()
-
-    losses, step_times, grad_norms, bubbles, predicted_bubbles = [], [], [], [], []
-    measurement = predicted = None
+    progress = _start_progress(settings, cfg, dp_size, backend, launcher, started) if talk else None
+    history = _History()
     for step in range(settings.steps):
         batches = counting_batches(settings.microbatches, cfg.micro_batch_size, cfg.seq_length,
                                    cfg.vocab_size, settings.seed, step, dp_rank, device)
-        iterators = [iter(batches) for _ in model]
-        t0 = time.perf_counter()
-        for chunk in model:
-            chunk.zero_grad_buffer()
-        optimizer.zero_grad()
-        forward_backward_func = get_forward_backward_func()
-        outputs = forward_backward_func(
-            forward_step_func=forward_step_func,
-            data_iterator=iterators if len(model) > 1 else iterators[0],
-            model=model,
-            num_microbatches=settings.microbatches,
-            seq_length=cfg.seq_length,
-            micro_batch_size=cfg.micro_batch_size,
-            forward_only=False,
-        )
-        _, norm, _ = optimizer.step()
-        step_times.append(time.perf_counter() - t0)
-
+        outputs, norm, seconds = _train_step(model, optimizer, batches, settings, cfg,
+                                             get_forward_backward_func, forward_step_func)
+        history.step_times.append(seconds)
+        # The loss's all-reduce and the step's gather are collectives: every rank takes part.
         loss = _mean_loss(outputs, last_pipeline_rank, dp_size, device)
         if talk and step == 0 and state.auto is not None and state.auto.choice is not None:
             progress.message(f"auto: {state.auto.choice.reason}")
-        measurement = (gather_step(state, pp_group, settings.trace) if settings.pp > 1
-                       else StepMeasurement([1], None))
-        if not talk:
-            continue
-        losses.append(loss)
-        grad_norms.append(float(norm) if norm is not None else None)
-        bubble = predicted_bubble = None
-        predicted = measurement.predicted
-        if measurement.timeline is not None:
-            bubble = measurement.timeline.bubble_fraction
-            predicted_bubble = predicted.bubble_fraction
-        bubbles.append(bubble)
-        predicted_bubbles.append(predicted_bubble)
-        progress.step(step + 1, format_step(step + 1, settings.steps, loss, step_times[-1],
-                                            bubble, predicted_bubble,
-                                            measurement.peak_activations,
-                                            measurement.peak_bytes,
-                                            measurement.device_peak_bytes))
+        history.measurement = (gather_step(state, pp_group, settings.trace) if settings.pp > 1
+                               else StepMeasurement([1], None))
+        if talk:
+            _report_step(progress, history, step, settings.steps, loss, norm)
 
     if not talk:
         return None
     progress.close()
+    summary = _summary(settings, state, history, world_size, dp_size, backend, launcher,
+                       started)
+    predicted, measurement = history.predicted, history.measurement
+    if predicted is not None and summary.get("peak_activation_bytes_predicted"):
+        # the predicted timeline's table shows the simulator's count in bytes beside it
+        predicted.peak_bytes = list(summary["peak_activation_bytes_predicted"])
+    files = write_outputs(settings.out, summary, predicted, measurement.timeline)
+    summary["files"] = files
+    print(_closing_line(summary, files), flush=True)
+    return summary
+
+
+@dataclass
+class _History:
+    """What the steps leave for the summary: every rank times its steps; rank 0 alone keeps
+    the rest (the other ranks only take part in the collectives)."""
+
+    losses: list = field(default_factory=list)
+    step_times: list = field(default_factory=list)
+    grad_norms: list = field(default_factory=list)
+    bubbles: list = field(default_factory=list)
+    predicted_bubbles: list = field(default_factory=list)
+    measurement: StepMeasurement | None = None  # the last step's
+    predicted: object = None  # the last step's predicted timeline (rank 0)
+
+
+def _start_progress(settings: TrainSettings, cfg, dp_size: int, backend: str, launcher: str,
+                    started: float) -> Progress:
+    """Rank 0's opening lines (and the plan the plugin logs at INFO), then its progress."""
+    progress = Progress(settings.steps)
+    progress.message(
+        f"training the tiny Megatron-Core GPT ({cfg.num_layers} layers, hidden "
+        f"{cfg.hidden_size}) with {settings.schedule}: pp={settings.pp}, v={settings.v}, "
+        f"dp={dp_size}, {settings.microbatches} microbatches of {cfg.micro_batch_size}x"
+        f"{cfg.seq_length} tokens, {settings.steps} steps, {backend} via {launcher} "
+        f"(ready in {time.perf_counter() - started:.1f} s)")
+    if settings.pp > 1:  # what the plugin logs at INFO before the first step
+        schedule = settings.first_step_schedule()
+        progress.message(plan_text(schedule, (cfg.seq_length, cfg.micro_batch_size,
+                                              cfg.hidden_size), torch.float32))
+    progress.start()
+    return progress
+
+
+def _train_step(model, optimizer, batches, settings: TrainSettings, cfg,
+                get_forward_backward_func, forward_step_func):
+    """One step as Megatron-LM's ``train_step`` takes it; the selector is asked every step, as
+    there, so the installed plugin answers. Returns the step's outputs, gradient norm and
+    seconds."""
+    iterators = [iter(batches) for _ in model]
+    t0 = time.perf_counter()
+    for chunk in model:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    forward_backward_func = get_forward_backward_func()
+    outputs = forward_backward_func(
+        forward_step_func=forward_step_func,
+        data_iterator=iterators if len(model) > 1 else iterators[0],
+        model=model,
+        num_microbatches=settings.microbatches,
+        seq_length=cfg.seq_length,
+        micro_batch_size=cfg.micro_batch_size,
+        forward_only=False,
+    )
+    _, norm, _ = optimizer.step()
+    return outputs, norm, time.perf_counter() - t0
+
+
+def _report_step(progress: Progress, history: _History, step: int, steps: int, loss: float,
+                 norm) -> None:
+    """Rank 0 keeps the step's numbers for the summary and prints the step's line."""
+    measurement = history.measurement
+    history.losses.append(loss)
+    history.grad_norms.append(float(norm) if norm is not None else None)
+    bubble = predicted_bubble = None
+    history.predicted = predicted = measurement.predicted
+    if measurement.timeline is not None:
+        bubble = measurement.timeline.bubble_fraction
+        predicted_bubble = predicted.bubble_fraction
+    history.bubbles.append(bubble)
+    history.predicted_bubbles.append(predicted_bubble)
+    progress.step(step + 1, format_step(step + 1, steps, loss, history.step_times[-1],
+                                        bubble, predicted_bubble,
+                                        measurement.peak_activations,
+                                        measurement.peak_bytes,
+                                        measurement.device_peak_bytes))
+
+
+def _summary(settings: TrainSettings, state, history: _History, world_size: int, dp_size: int,
+             backend: str, launcher: str, started: float) -> dict:
+    """summary.json's content (the last step's measurement for the timeline and memory)."""
     schedule = state.last_schedule
-    summary = {
+    measurement, predicted = history.measurement, history.predicted
+    step_times, bubbles = history.step_times, history.bubbles
+    return {
         "schedule": settings.schedule,
         "auto_choice": state.auto.choice.schedule if state.auto and state.auto.choice else None,
         "pp": settings.pp,
@@ -143,14 +195,14 @@ def train_rank(rank: int, world_size: int, settings: TrainSettings, launcher: st
         "world_size": world_size,
         "backend": backend,
         "launcher": launcher,
-        "losses": losses,
+        "losses": history.losses,
         "step_times_s": step_times,
         "step_time_median_s": statistics.median(step_times[1:] or step_times),
-        "grad_norms": grad_norms,
+        "grad_norms": history.grad_norms,
         "bubble_measured": bubbles[-1],
-        "bubble_predicted": predicted_bubbles[-1],
+        "bubble_predicted": history.predicted_bubbles[-1],
         "bubble_measured_per_step": bubbles,
-        "bubble_predicted_per_step": predicted_bubbles,
+        "bubble_predicted_per_step": history.predicted_bubbles,
         "bubble_unit_costs": unit_cost_bubble(schedule) if schedule is not None else 0.0,
         "peak_activations": measurement.peak_activations,  # a COUNT per rank
         **memory_summary(schedule, measurement),
@@ -161,13 +213,6 @@ def train_rank(rank: int, world_size: int, settings: TrainSettings, launcher: st
         "settings": settings.to_dict(),
         "seconds_total": time.perf_counter() - started,
     }
-    if predicted is not None and summary.get("peak_activation_bytes_predicted"):
-        # the predicted timeline's table shows the simulator's count in bytes beside it
-        predicted.peak_bytes = list(summary["peak_activation_bytes_predicted"])
-    files = write_outputs(settings.out, summary, predicted, measurement.timeline)
-    summary["files"] = files
-    print(_closing_line(summary, files), flush=True)
-    return summary
 
 
 def _build(settings: TrainSettings, device: torch.device, backend: str):

@@ -17,6 +17,7 @@ from ..analysis.simulate import CostModel, simulate
 from ..ir import Schedule
 from ..runtime import trace as tracing
 from ..timeline import Timeline
+from ..runtime.memory import predicted_peak_bytes
 
 
 @dataclass
@@ -88,7 +89,6 @@ def memory_summary(schedule: Schedule | None, measurement: StepMeasurement) -> d
       gradients and optimizer state included); null on the CPU;
     * ``weight_grads_per_rank``: per rank, the I/W split's weight-gradient GEMMs (deferred by
       I, run by W, kept in I; runtime.wgrad.WeightGradStats), null without a split."""
-    from ..runtime.memory import predicted_peak_bytes
 
     peak = measurement.peak_bytes
     per_stage = measurement.saved_bytes_per_stage

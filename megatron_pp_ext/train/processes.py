@@ -166,41 +166,9 @@ def spawn(
         p.start()
 
     outputs: dict[int, Any] = {}
-    deadline = time.monotonic() + timeout_s
     error: Optional[SpawnError] = None
     try:
-        while len(outputs) < world_size:
-            try:
-                rank, ok, payload = results.get(timeout=0.2)
-            except queue_mod.Empty:
-                if time.monotonic() > deadline:
-                    missing = sorted(set(range(world_size)) - set(outputs))
-                    _dump_stacks([procs[r] for r in missing])
-                    error = SpawnError(
-                        f"spawn timed out after {timeout_s}s: ranks {missing} of {world_size} "
-                        f"did not finish {getattr(fn, '__qualname__', fn)!r} (their stacks were "
-                        "dumped to stderr)"
-                    )
-                    break
-                dead = [
-                    r
-                    for r, p in enumerate(procs)
-                    if r not in outputs and p.exitcode is not None and p.exitcode != 0
-                ]
-                if dead and results.empty():
-                    time.sleep(0.5)  # a result may still be in flight
-                    if results.empty():
-                        r = dead[0]
-                        error = SpawnError(
-                            f"rank {r} died with exit code {procs[r].exitcode} without a result",
-                            rank=r,
-                        )
-                        break
-                continue
-            if not ok:
-                error = _first_cause(rank, payload, results, procs, outputs)
-                break
-            outputs[rank] = _loads(payload)
+        error = _collect(procs, results, outputs, fn, timeout_s)
     finally:
         _stop(procs, graceful=error is None)
         results.close()
@@ -208,6 +176,62 @@ def spawn(
     if error is not None:
         raise error
     return [outputs[r] for r in range(world_size)]
+
+
+def _collect(
+    procs, results, outputs: dict[int, Any], fn: Callable[..., Any], timeout_s: float
+) -> Optional[SpawnError]:
+    """Fill ``outputs`` with the ranks' results as they arrive; stop at the first failure
+    (a rank raised, died without a word, or the run ran past ``timeout_s``) and return the
+    error to raise, None when every rank answered."""
+    world_size = len(procs)
+    deadline = time.monotonic() + timeout_s
+    while len(outputs) < world_size:
+        try:
+            rank, ok, payload = results.get(timeout=0.2)
+        except queue_mod.Empty:
+            if time.monotonic() > deadline:
+                return _timed_out(procs, outputs, fn, timeout_s)
+            error = _died_silently(procs, results, outputs)
+            if error is not None:
+                return error
+            continue
+        if not ok:
+            return _first_cause(rank, payload, results, procs, outputs)
+        outputs[rank] = _loads(payload)
+    return None
+
+
+def _timed_out(procs, outputs, fn, timeout_s: float) -> SpawnError:
+    """The timeout's error, once the ranks that have not finished have dumped their stacks
+    (so that a hang shows where it waits)."""
+    world_size = len(procs)
+    missing = sorted(set(range(world_size)) - set(outputs))
+    _dump_stacks([procs[r] for r in missing])
+    return SpawnError(
+        f"spawn timed out after {timeout_s}s: ranks {missing} of {world_size} "
+        f"did not finish {getattr(fn, '__qualname__', fn)!r} (their stacks were "
+        "dumped to stderr)"
+    )
+
+
+def _died_silently(procs, results, outputs) -> Optional[SpawnError]:
+    """The error for a rank that exited non-zero without putting a result (or a traceback) on
+    the queue, if there is one; its message gets a moment to arrive first."""
+    dead = [
+        r
+        for r, p in enumerate(procs)
+        if r not in outputs and p.exitcode is not None and p.exitcode != 0
+    ]
+    if dead and results.empty():
+        time.sleep(0.5)  # a result may still be in flight
+        if results.empty():
+            r = dead[0]
+            return SpawnError(
+                f"rank {r} died with exit code {procs[r].exitcode} without a result",
+                rank=r,
+            )
+    return None
 
 
 # Errors a rank gets because a *peer* failed: reported after the root cause, if both come.

@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 import time
 from typing import TextIO
+from ..units import format_bytes_list
 
 
 def format_step(step: int, steps: int, loss: float, seconds: float, bubble: float | None,
@@ -26,8 +27,6 @@ def format_step(step: int, steps: int, loss: float, seconds: float, bubble: floa
             text += f" (predicted {100 * predicted:4.1f}%)"
         parts.append(text)
     if peak_bytes is not None and any(b is not None for b in peak_bytes):
-        from ..units import format_bytes_list
-
         parts.append(f"peak activations (count) {peaks}")
         parts.append(f"activation memory {format_bytes_list(peak_bytes)}")
         if device_peak is not None and any(b is not None for b in device_peak):

@@ -21,6 +21,7 @@ from ..schedules import (
     resolve_schedule,
     schedule_layout,
 )
+from ..integration.options import PipelineOptions
 
 # the command-line flags the settings' fields come from, as errors name them
 _FLAGS = {"pp": "-p/--ranks", "microbatches": "-m/--microbatches"}
@@ -193,7 +194,6 @@ class TrainSettings:
     def _check_file(self) -> None:
         """A schedule file: validated, its NCCL program checked, and written for the run's
         p, m and chunks."""
-        from ..integration.options import PipelineOptions
 
         schedule = PipelineOptions(schedule=self.schedule).file_schedule()  # + NCCL's rules
         for name, want, what in (("pp", schedule.num_ranks, "pipeline ranks (one row per rank)"),
