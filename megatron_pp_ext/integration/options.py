@@ -15,7 +15,7 @@ import hashlib
 import os
 from dataclasses import asdict, dataclass, fields
 
-from ..analysis.lowering import nccl_posting
+from ..analysis import lowering
 from ..ir import ScheduleError
 from ..schedules import (SHAPING_OPTIONS, is_schedule_file, parse_schedule_file,
                          read_schedule_file, resolve_schedule, takes_option)
@@ -176,7 +176,7 @@ def _checked_file_schedule(text: str, path: str, forward_only: bool):
 
     schedule = parse_schedule_file(text, path, forward_only)
     try:
-        nccl_posting(schedule)
+        lowering.nccl_posting(schedule)
     except ScheduleError as exc:
         raise ScheduleError(
             f"schedule file {path} could hang on NCCL (no P2P program for it passes NCCL's "
