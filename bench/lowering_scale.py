@@ -23,7 +23,7 @@ from pathlib import Path
 from megatron_pp_ext.analysis.lowering import nccl_choice, runtime_program
 from megatron_pp_ext.analysis.nccl_timing import time_program
 from megatron_pp_ext.analysis.simulate import CostModel, action_durations
-from megatron_pp_ext.runtime.executor import compile_steps
+from megatron_pp_ext.analysis.program_steps import compile_steps
 from megatron_pp_ext.schedules import build_schedule
 from megatron_pp_ext.schedules.validate import peak_activations
 

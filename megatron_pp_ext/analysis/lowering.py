@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from ..ir import Schedule, ScheduleError
 from ..program import Program
+from .gc_pause import gc_paused
 from .messages import comm_plan, lockstep_postings
 from .nccl_rules import check_nccl_rules
 from .nccl_timing import unit_cost_makespan
@@ -23,6 +24,7 @@ from .user_program import program_of
 MEGATRON, LOCKSTEP = "megatron", "lockstep"  # the executor's two ways of posting on NCCL
 
 
+@gc_paused
 def lower(schedule: Schedule, posting: str = MEGATRON,
           variable_shapes: bool = False, post_ahead: bool = False,
           postings: list | None = None, prefetch: bool = False,
@@ -63,6 +65,7 @@ class NcclChoice:
     program: Program  # the checked program (shape headers included with variable shapes)
 
 
+@gc_paused
 def nccl_choice(schedule: Schedule, variable_shapes: bool = False,
                 overlapped_pairs: bool = False) -> NcclChoice:
     """The posting on NCCL: the program a schedule file brought, else Megatron's fused calls

@@ -24,7 +24,9 @@ from collections import defaultdict
 
 from ..ir import ScheduleError
 from ..program import RECV, SEND, Batch, Compute, P2POp, Post, Program, Wait
+from .gc_pause import gc_paused
 
+@gc_paused
 def check_nccl_rules(program: Program, feeds: list | None = None) -> None:
     """Raise ``ScheduleError`` if ``program`` can hang or mismatch messages under NCCL.
     ``feeds``: per rank, an iterator that extends the rank's steps as it is advanced

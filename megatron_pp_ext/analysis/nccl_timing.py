@@ -26,6 +26,7 @@ from collections import defaultdict
 from ..ir import Action, Schedule, ScheduleError
 from ..timeline import COMM_WAIT, COMPUTE, P2P, Event, Timeline
 from ..program import SEND, Batch, Compute, Post, Program, Wait
+from .gc_pause import gc_paused
 from .nccl_rules import check_nccl_rules
 
 _MESSAGE = re.compile(r"(forward|backward) (\d+)[FB]\d+$")
@@ -41,6 +42,7 @@ def _sending_stage(label: str) -> int:
     return receiver - 1 if match.group(1) == "forward" else receiver + 1
 
 
+@gc_paused
 def time_program(program: Program, schedule: Schedule, duration: dict[str, list[float]],
                  t_comm: list[float], peak_activations: list[int],
                  check: bool = True) -> Timeline:
@@ -57,6 +59,7 @@ def time_program(program: Program, schedule: Schedule, duration: dict[str, list[
     return Timeline.of_schedule(schedule, clock.events, peak_activations, "predicted", "t")
 
 
+@gc_paused
 def unit_cost_makespan(program: Program, schedule: Schedule, t_comm: float) -> float:
     """The step time of a checked ``program`` with every F, I and W costing 1 (B 2) and
     every message ``t_comm``: how the lowering compares two postings of one schedule."""

@@ -33,10 +33,11 @@ from megatron.core.utils import get_model_config
 
 from .. import device as device_helper
 from ..analysis.lowering import runtime_program
+from ..analysis.program_steps import compile_steps
 from ..ir import Schedule, ScheduleError
 from ..runtime import trace as tracing
 from ..runtime.errors import PipelineTimeoutError
-from ..runtime.executor import Executor, StepResult, compile_steps
+from ..runtime.executor import Executor, StepResult
 from ..runtime.transport import TorchDistTransport
 from ..runtime.wgrad import WeightGradSplit
 from ..schedules import AUTO, build_schedule, get_spec, schedule_layout

@@ -29,9 +29,9 @@ from ..timeline import COMM_WAIT, COMPUTE, Event
 from .. import device as device_helper
 from .errors import PeerFailedError, PeerReported, PipelineTimeoutError
 from ..analysis.lowering import runtime_program
-from ..analysis.messages import (ACTIVATION, GRADIENT, MEGATRON_TIMERS, Message, comm_plan,
-                                 message_of)
-from ..program import Compute, Post, Program, Wait
+from ..analysis.messages import ACTIVATION, GRADIENT, MEGATRON_TIMERS, Message, comm_plan
+from ..analysis.program_steps import STEP_COMPUTE, STEP_POST, STEP_WAIT, compile_steps
+from ..program import Program
 from .memory import ActivationMemory
 from .transport import RecvRequest, TransportTimeout
 
@@ -114,71 +114,6 @@ def program_for(schedule: Schedule, transport, work, timers=None,
         variable_shapes=variable_shapes)
 
 
-# The compiled steps of one rank: (_BEGIN, i), (_COMPUTE, i, paired), (_WAIT, batch, op),
-# (_POST, batch, send message | None, [receive messages], call name, timed until its wait)
-_BEGIN, _COMPUTE, _WAIT, _POST = range(4)
-
-
-def compile_steps(program: Program, rank: int, schedule: Schedule,
-                  timed: bool = False) -> list[tuple]:
-    """Rank ``rank``'s part of ``program`` as the executor runs it; ValueError where its
-    compute steps are not the rank's action list. ``timed``: decide for each call whether
-    Megatron's timer runs until its receive is waited on (the rank waits for it before it
-    computes anything else and before it posts another call of the timer: as Megatron's
-    blocking calls) or covers the post only."""
-    actions = [str(a) for a in schedule.actions[rank]]
-    starts = None  # step -> the actions that begin there (a pair's two may share one)
-    if program.action_starts:
-        starts = collections.defaultdict(list)
-        for i, k in enumerate(program.action_starts[rank]):
-            starts[k].append(i)
-    out: list[tuple] = []
-    done = 0
-    steps = program.steps[rank]
-    for k, step in enumerate(steps):
-        if starts is not None:
-            out.extend((_BEGIN, i) for i in starts.get(k, ()))
-        if isinstance(step, Compute):
-            if done >= len(actions) or actions[done] != step.action:
-                raise ValueError(
-                    f"{program.name}: rank {rank}'s compute step #{done} is {step.action}, but "
-                    f"its action list has {actions[done] if done < len(actions) else 'no more'} "
-                    "there: the program was lowered from another schedule")
-            if starts is None:
-                out.append((_BEGIN, done))
-            out.append((_COMPUTE, done, step.paired))
-            done += 1
-        elif isinstance(step, Wait):
-            out.append((_WAIT, step.batch, step.op))
-        elif isinstance(step, Post):
-            messages = [message_of(op) for op in step.batch.ops]
-            sends = [m for op, m in zip(step.batch.ops, messages) if op.kind == "send"]
-            recvs = [m for op, m in zip(step.batch.ops, messages) if op.kind == "recv"]
-            if len(sends) > 1 or (sends and step.batch.ops[0].kind != "send"):
-                raise ValueError(f"{program.name}: {step.batch}: the executor posts one send "
-                                 "per call, first in its batch")
-            until_wait = timed and len(recvs) == 1 and _waited_before_compute(
-                steps, k, step.batch)
-            out.append((_POST, step.batch.index, sends[0] if sends else None, recvs,
-                        step.batch.call, until_wait))
-    if done != len(actions):
-        raise ValueError(f"{program.name}: rank {rank}'s program computes {done} of its "
-                         f"{len(actions)} actions")
-    return out
-
-
-def _waited_before_compute(steps: list, k: int, batch) -> bool:
-    timer = MEGATRON_TIMERS.get(batch.call)
-    for step in steps[k + 1:]:
-        if isinstance(step, Compute):
-            return False
-        if isinstance(step, Wait) and step.batch == batch.index:
-            return True
-        if isinstance(step, Post) and MEGATRON_TIMERS.get(step.batch.call) == timer:
-            return False
-    return False
-
-
 class Executor:
     _memory: ActivationMemory | None = None  # set per step by run() (activation bytes)
     _device_probe = None
@@ -229,11 +164,11 @@ class Executor:
         begin = getattr(self.work, "begin", None)
         for step in self.steps:
             tag = step[0]
-            if tag == _POST:
+            if tag == STEP_POST:
                 self._post(*step[1:])
-            elif tag == _WAIT:
+            elif tag == STEP_WAIT:
                 self._wait_step(step[1], step[2])
-            elif tag == _COMPUTE:
+            elif tag == STEP_COMPUTE:
                 self._compute_step(step[1], step[2])
             elif begin is not None:
                 begin(self.actions[step[1]])
