@@ -185,8 +185,9 @@ def _run_as_lowered(schedule, where: str, delays=None):
     batches = the lowered program's (``nccl_program``: the posting the executor picks),
     gradients = pp=1."""
     fabric = NcclRulesFabric(schedule.num_ranks)
-    results = run_inmemory(schedule, delays=delays, nccl_rules=True, timeout_s=20, fabric=fabric)
     program = nccl_program(schedule)
+    results = run_inmemory(schedule, delays=delays, nccl_rules=True, timeout_s=20, fabric=fabric,
+                           program=program)
     for rank, (result, work) in enumerate(results):
         assert [str(a) for a in result.executed] == [str(a) for a in schedule.actions[rank]]
         assert work.computed == [str(a) for a in schedule.actions[rank]]

@@ -40,18 +40,19 @@ class RecordingWork(EmulatedStageWork):
 
 def run_inmemory(schedule, delays=None, costs: EmulatedCosts | None = None, timeout_s=20.0,
                  trace=False, nccl_rules=False, variable_shapes=False, timers=None,
-                 fabric: NcclRulesFabric | None = None):
+                 fabric: NcclRulesFabric | None = None, program=None):
     """Returns per rank: (StepResult, RecordingWork). ``nccl_rules``: over the fabric that
     enforces NCCL's rules (support.nccl_fabric; pass ``fabric`` to read what was posted),
     posting as the executor does on NCCL. ``timers``: one Megatron ``Timers`` per rank (a
-    process has its own; threads must not share one)."""
+    process has its own; threads must not share one). ``program``: the one every rank runs,
+    when the caller has it (else the one ``executor.program_for`` would pick)."""
     weights = stage_weights(schedule.num_stages, WIDTH)
     inputs = microbatch_inputs(schedule.num_microbatches, ROWS, WIDTH)
     if nccl_rules:
         fabric = fabric or NcclRulesFabric(schedule.num_ranks)
     # what every rank's executor would pick for its transport (``executor.program_for``),
     # lowered once for all of them: on the fabric (batched) the checked NCCL program
-    program = runtime_program(
+    program = program or runtime_program(
         schedule, batched=nccl_rules, prefetch=not nccl_rules and not timers,
         overlapped_pairs=callable(getattr(RecordingWork, "overlapped_forward_backward", None)),
         variable_shapes=variable_shapes)
