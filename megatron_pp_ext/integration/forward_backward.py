@@ -73,8 +73,8 @@ class RunState:
     #: step); a wait stops on a peer's note numbered above it
     failure_baseline: int | None = None
     #: per schedule: what the executor derives from it once (the program, lowered and
-    #: checked, and this rank's part of it compiled); the schedule object is kept beside them, so an id is
-    #: never reused while cached
+    #: checked, and this rank's part of it compiled); the schedule object is kept beside
+    #: them, so an id is never reused while cached
     _derived_cache: dict = field(default_factory=dict, repr=False)
 
     def activate(self, options: PipelineOptions) -> None:

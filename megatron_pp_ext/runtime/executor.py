@@ -172,7 +172,7 @@ class Executor:
                 self._compute_step(step[1], step[2])
             elif begin is not None:
                 begin(self.actions[step[1]])
-        for key in list(self._unsent):  # a program read from a file may not wait on them
+        for key in list(self._unsent):  # a program that leaves sends unwaited (the pass never does)
             self._wait_step(*key)
         left = (sorted(self._local) + [str(m) for m in self._stash]
                 + [str(m) for m in self._outgoing] + [str(m) for _, m in self._receiving.values()])
