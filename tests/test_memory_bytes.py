@@ -245,16 +245,12 @@ def test_early_arrivals_in_the_inbox_count():
 
 
 def test_stash_bytes_count_a_waiting_tensor():
-    """The inbox's stash as the executor samples it: an arrival that waits is held."""
-    from megatron_pp_ext.analysis.messages import Inbox, Message
-
-    inbox = Inbox({1: []})
+    """Arrivals waiting for their action, as the executor samples them: held, a storage once."""
     a = torch.zeros(ROWS, WIDTH, dtype=torch.float64)
-    inbox.stash[Message(1, "activation", 0, 0)] = a
-    inbox.stash[Message(1, "activation", 0, 1)] = a[1:]  # a view of the same storage
-    assert unique_bytes(inbox.stash_tensors()) == UNIT
+    waiting = [a, a[1:]]  # a view of the same storage
+    assert unique_bytes(waiting) == UNIT
     meter = ActivationMemory()
-    assert meter.sample((), inbox.stash_tensors()) == UNIT
+    assert meter.sample((), waiting) == UNIT
     assert meter.peak_parts == {"saved": 0, "w_queue": 0, "waiting": UNIT}
 
 

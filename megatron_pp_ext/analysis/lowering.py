@@ -174,12 +174,6 @@ def _ahead_program(schedule: Schedule, variable_shapes: bool, program: Program,
     return ahead if faster else None
 
 
-def nccl_posting_kind(schedule: Schedule, variable_shapes: bool = False) -> str:
-    """Which program ``nccl_program`` is: ``user`` (the schedule file's own), ``megatron``
-    (Megatron's fused calls) or ``lockstep``."""
-    return nccl_choice(schedule, variable_shapes).posting
-
-
 def nccl_program(schedule: Schedule, variable_shapes: bool = False) -> Program:
     """The checked program the executor runs on NCCL (``nccl_choice``), shape headers
     included with variable shapes."""
@@ -204,5 +198,5 @@ def runtime_program(schedule: Schedule, *, batched: bool, prefetch: bool = False
 
 
 __all__ = ["MEGATRON", "LOCKSTEP", "USER", "NcclChoice", "lower", "nccl_choice", "nccl_posting",
-           "nccl_posting_kind", "nccl_post_ahead", "nccl_program", "runtime_program",
+           "nccl_post_ahead", "nccl_program", "runtime_program",
            "user_postings"]

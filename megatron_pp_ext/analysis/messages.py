@@ -108,13 +108,14 @@ class Inbox:
     """Receives from each peer in the order that peer sends (every rank knows every action
     list), so two ranks never have to agree on one order; what arrives before it is
     needed waits in ``stash``. Receives in flight are kept per peer in posting order (one
-    at a time, except where a lockstep program posts several ahead)."""
+    at a time, except where a lockstep program posts several ahead). The lowering pass walks
+    a rank's program with it; the executor only runs the result."""
 
     def __init__(self, incoming: dict[int, list[Message]]):
         self.queues = {peer: collections.deque(msgs) for peer, msgs in incoming.items()}
         self.in_flight: dict[int, collections.deque] = collections.defaultdict(
-            collections.deque)  # peer -> (message, handle), oldest first
-        self.stash: dict[Message, object] = {}  # what arrived early (the executor: tensors)
+            collections.deque)  # peer -> (message, where it was posted), oldest first
+        self.stash: set[Message] = set()  # waited on before its action needs it
 
     def next_from(self, peer: int) -> Message:
         if not self.queues.get(peer):
@@ -137,13 +138,8 @@ class Inbox:
         self.in_flight[message.peer].append((message, handle))
 
     def oldest_in_flight(self, peer: int):
-        """(message, handle) of the oldest receive posted from ``peer`` (None: none)."""
+        """(message, where it was posted) of the oldest receive posted from ``peer``."""
         return self.in_flight[peer].popleft() if self.in_flight[peer] else None
-
-    def stash_tensors(self) -> list:
-        """What arrived early and waits in the stash (the executor: tensors, which its
-        activation memory counts)."""
-        return list(self.stash.values())
 
 
 @dataclass

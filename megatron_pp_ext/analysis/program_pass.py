@@ -137,8 +137,8 @@ class _RankPass:
                 self._post(None, [inbox.next_from(needed.peer)])
             message, (index, op) = inbox.oldest_in_flight(needed.peer)
             self.steps.append(Wait(index, op=op))
-            inbox.stash[message] = None
-        del inbox.stash[needed]
+            inbox.stash.add(message)
+        inbox.stash.remove(needed)
 
     def _finish_send(self, index: int) -> None:
         message = self.unsent.pop(index)

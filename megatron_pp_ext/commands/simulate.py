@@ -7,8 +7,7 @@ import sys
 from pathlib import Path
 
 from ..analysis.costs import ACTIVATION_UNIT, activations_in_v1_units
-from ..analysis.lowering import (MEGATRON, USER, nccl_post_ahead, nccl_posting_kind,
-                                 nccl_program)
+from ..analysis.lowering import MEGATRON, USER, nccl_choice
 from ..analysis.render import render_ascii, render_chrome_trace, render_html
 from ..analysis.simulate import CostModel, async_steady_state, simulate
 from ..analysis.user_program import load  # compute-only, or with its own P2P batches
@@ -95,15 +94,15 @@ def make_schedule(args) -> Schedule:
 def nccl_program_text(schedule: Schedule) -> str:
     """The lowered program the executor posts on NCCL, after checking it (raises if it could
     hang), with a first line saying which posting it uses."""
-
-    posting = nccl_posting_kind(schedule)
+    choice = nccl_choice(schedule)  # one lowering and check for the line and the program
+    posting = choice.posting
     why = {MEGATRON: "Megatron's fused calls pass NCCL's rules",
            USER: "the schedule file's own batches, as written"}.get(
         posting, "Megatron's fused calls could hang under NCCL's rules, so one batch per round")
-    if posting == MEGATRON and nccl_post_ahead(schedule):
+    if choice.post_ahead:
         why += "; receives posted ahead of the compute, proven safe and faster"
     return (f"# {schedule.name}: {posting} posting ({why}); checked: no hang, every pair "
-            f"matched in order\n" + nccl_program(schedule).to_csv())
+            f"matched in order\n" + choice.program.to_csv())
 
 
 def run(args) -> int:

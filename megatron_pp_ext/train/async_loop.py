@@ -123,12 +123,11 @@ class _BatchLines:
 
     def __init__(self, m: int, steps: int):
         self.m, self.steps = m, steps
-        self.lines: list[str] = []
-        self.clock = {"last": time.perf_counter()}
+        self.last = time.perf_counter()  # when the previous batch's line was printed
         self.batch_losses: list[float] = []
 
     def __call__(self, microbatch, value):
-        m, steps, clock = self.m, self.steps, self.clock
+        m, steps = self.m, self.steps
         self.batch_losses.append(value)
         if (microbatch + 1) % m:
             return
@@ -136,9 +135,8 @@ class _BatchLines:
         now = time.perf_counter()
         mean = sum(self.batch_losses[-m:]) / m
         line = (f"[{step:>{len(str(steps))}}/{steps}] step {step}  loss {mean:7.4f}  time "
-                f"{now - clock['last']:6.3f} s")
-        clock["last"] = now
-        self.lines.append(line)
+                f"{now - self.last:6.3f} s")
+        self.last = now
         print(line, flush=True)
 
 

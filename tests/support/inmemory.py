@@ -10,10 +10,10 @@ from support.emulated import (
     microbatch_inputs,
     stage_weights,
 )
-from megatron_pp_ext.analysis.lowering import runtime_program
-from megatron_pp_ext.runtime.executor import Executor
+from megatron_pp_ext.runtime.executor import Executor, program_for
 from megatron_pp_ext.runtime.inmemory import run_ranks_in_threads
-from support.nccl_fabric import NcclRulesFabric
+from megatron_pp_ext.runtime.transport import InMemoryTransport
+from support.nccl_fabric import NcclRulesFabric, NcclRulesTransport
 
 WIDTH, ROWS = 6, 3
 
@@ -50,12 +50,12 @@ def run_inmemory(schedule, delays=None, costs: EmulatedCosts | None = None, time
     inputs = microbatch_inputs(schedule.num_microbatches, ROWS, WIDTH)
     if nccl_rules:
         fabric = fabric or NcclRulesFabric(schedule.num_ranks)
-    # what every rank's executor would pick for its transport (``executor.program_for``),
-    # lowered once for all of them: on the fabric (batched) the checked NCCL program
-    program = program or runtime_program(
-        schedule, batched=nccl_rules, prefetch=not nccl_rules and not timers,
-        overlapped_pairs=callable(getattr(RecordingWork, "overlapped_forward_backward", None)),
-        variable_shapes=variable_shapes)
+    # what every rank's executor would pick for its transport, lowered once for all of them
+    # (the transport and work classes say what the instances would: on the fabric, batched,
+    # the checked NCCL program)
+    program = program or program_for(
+        schedule, NcclRulesTransport if nccl_rules else InMemoryTransport, RecordingWork,
+        timers[0] if timers else None, variable_shapes)
 
     def rank_fn(rank, transport):
         delay = delays[rank] if delays else 0.0
