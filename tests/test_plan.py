@@ -11,6 +11,7 @@ import pytest
 
 from megatron_pp_ext.schedules.validate import peak_activations
 from megatron_pp_ext.integration.pretrain_plan import plan_pretrain, split_launcher
+from megatron_pp_ext.runtime.memory import predicted_peak_bytes
 from megatron_pp_ext.schedules import build_schedule
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,24 +36,33 @@ def replaced(args: list[str], flag: str, value: str | None) -> list[str]:
     return args[:i] + ([flag, value] if value is not None else []) + args[i + 2:]
 
 
+T, V = S * B, 32000  # tokens of a microbatch; the vocabulary (a multiple of 128 x tp already)
+PER_LAYER = S * B * H * 34 // TP  # Korthikanti et al. 2022, Table 2: tp and sp, no scores
+EMBEDDING_EXTRA = T * H // TP  # the embedding's dropout mask (1 byte), sequence parallel
+LOSS_EXTRA = 4 * T * H // TP + 4 * T * V // TP  # final norm and output-layer inputs; fp32 softmax
+
+
 def test_plan_derives_p_m_v_dp_and_the_activation_bytes():
     plan = plan_pretrain(PRETRAIN_ARGS, schedule="zb-v", world_size=GPUS)
     assert (plan.p, plan.m, plan.v, plan.dp, plan.tp) == (4, 32, 2, 8, 2)
-    assert plan.layout == "v" and plan.layers_per_stage == L // (2 * PP) == 4
+    assert plan.layout == "v" and plan.layers_per_stage == L // (2 * PP) == 4 and plan.even
     assert [list(plan.schedule.stages_of(r)) for r in range(PP)] == [[0, 7], [1, 6], [2, 5],
                                                                       [3, 4]]
-    # Korthikanti et al. 2022, Table 2: tensor and sequence parallel, no recompute, 16-bit:
-    # s*b*h*(34 + 5*a*s/h)/t bytes per layer per microbatch
-    per_layer = S * B * H * (34 + 5 * A * S / H) / TP
-    assert per_layer == 956_301_312
-    assert plan.activations.bytes_per_layer == per_layer
-    # times the layers per stage, times the simulator's peak of microbatch (chunk) activations
-    # alive at once on each rank: zb-v holds 2p of them at p=4, m=32
+    assert [s.describe() for s in plan.stages] == ["E+4t"] + ["4t"] * 6 + ["4t+L"]
+    # Transformer Engine's default attention (flash or fused) keeps no scores:
+    # s*b*h*34/t bytes per layer per microbatch with tensor and sequence parallelism
+    assert PER_LAYER == 285_212_672
+    assert plan.activations.bytes_per_layer == PER_LAYER
+    assert plan.activations.stage_bytes == (
+        [4 * PER_LAYER + EMBEDDING_EXTRA] + [4 * PER_LAYER] * 6 + [4 * PER_LAYER + LOSS_EXTRA])
+    # the count the simulator walks: zb-v holds 2p chunk activations at p=4, m=32
     peaks = peak_activations(build_schedule("zb-v", PP, 32))
     assert peaks == [8, 8, 8, 8] and plan.peak_in_flight == peaks
-    expected = [int(count * 4 * per_layer) for count in peaks]
-    assert expected == [30_601_641_984] * 4
-    assert plan.peak_bytes == expected
+    # in bytes: ranks 1-3 hold 8 of their two middle stages; rank 0's stages are 0 and 7
+    assert plan.peak_bytes[1:] == [8 * 4 * PER_LAYER] * 3
+    assert plan.peak_bytes[0] == predicted_peak_bytes(
+        plan.schedule, dict(enumerate(plan.activations.stage_bytes)))[0]
+    assert 8 * 4 * PER_LAYER < plan.peak_bytes[0] <= 8 * (4 * PER_LAYER + LOSS_EXTRA)
     assert plan.timeline.unit == "t" and plan.timeline.makespan > 0
 
 
@@ -77,26 +87,34 @@ def test_the_launcher_gives_the_world_size():
     # full recompute keeps each layer's input: 2*s*b*h, sharded over tp with sequence parallel
     (["--recompute-granularity", "full", "--recompute-method", "uniform",
       "--recompute-num-layers", "1"], 2 * S * B * H / TP),
-    # flash attention keeps no scores: the 5*a*s/h term goes
-    (["--attention-backend", "flash"], S * B * H * 34 / TP),
+    # unfused attention keeps the scores: the 5*a*s/h term, Korthikanti's full formula
+    (["--attention-backend", "unfused"], S * B * H * (34 + 5 * A * S / H) / TP),
+    (["--transformer-impl", "local"], S * B * H * (34 + 5 * A * S / H) / TP),
+    # ... and selective recompute drops them again
+    (["--attention-backend", "unfused", "--recompute-activations"], S * B * H * 34 / TP),
 ])
 def test_activation_bytes_follow_recompute_and_attention(extra, per_layer):
     plan = plan_pretrain(PRETRAIN_ARGS + extra, schedule="zb-v", world_size=GPUS)
     assert plan.activations.bytes_per_layer == per_layer
-    assert plan.peak_bytes == [8 * 4 * per_layer] * 4
+    assert plan.activations.stage_bytes[1:7] == [4 * per_layer] * 6  # the middle stages
+    assert plan.peak_bytes[1:] == [8 * 4 * per_layer] * 3
 
 
 def test_activation_bytes_without_sequence_parallel_and_in_fp32():
     args = [a for a in replaced(PRETRAIN_ARGS, "--num-virtual-stages-per-pipeline-rank", None)
             if a not in ("--sequence-parallel", "--bf16")]
     plan = plan_pretrain(args, schedule="1f1b", world_size=GPUS)
-    # tensor parallel without sequence parallel: s*b*h*(10 + 24/t + 5*a*s/(h*t)), and fp32
-    # activations (no --bf16 / --fp16) twice the 16-bit figure
-    per_layer = 2 * S * B * H * (10 + 24 / TP + 5 * A * S / (H * TP))
+    # tensor parallel without sequence parallel: s*b*h*(10 + 24/t) (no scores: flash), and
+    # fp32 activations (no --bf16 / --fp16) twice the 16-bit figure
+    per_layer = 2 * S * B * H * (10 + 24 / TP)
     assert plan.activations.bytes_per_layer == per_layer
     assert (plan.p, plan.m, plan.v, plan.layers_per_stage) == (4, 32, 1, 8)
     assert plan.peak_in_flight == [4, 3, 2, 1]  # 1F1B: p - r
-    assert plan.peak_bytes == [int(c * 8 * per_layer) for c in (4, 3, 2, 1)]
+    # the first stage adds its unsharded dropout mask, the last its fp32 softmax and inputs
+    stage = [8 * per_layer + T * H, 8 * per_layer, 8 * per_layer,
+             8 * per_layer + 2 * 4 * T * H + 4 * T * V // TP]
+    assert plan.activations.stage_bytes == stage
+    assert plan.peak_bytes == [c * b for c, b in zip((4, 3, 2, 1), stage)]
 
 
 def test_megatron_own_schedule_when_none_is_named():
@@ -138,7 +156,8 @@ def test_a_schedule_file_is_planned_as_it_is_written(tmp_path):
     path.write_text(build_schedule("zb-v", PP, 32).to_csv())
     plan = plan_pretrain(PRETRAIN_ARGS, schedule=str(path), world_size=GPUS)
     assert (plan.name, plan.p, plan.m, plan.v, plan.layout) == (str(path), 4, 32, 2, "v")
-    assert plan.peak_bytes == [30_601_641_984] * 4  # as the built-in zb-v
+    assert plan.peak_bytes == plan_pretrain(PRETRAIN_ARGS, schedule="zb-v",
+                                            world_size=GPUS).peak_bytes  # as the built-in zb-v
     with pytest.raises(ValueError, match=r"m=32 microbatches.* is 64 microbatches per step: "
                        r"set --global-batch-size 512"):
         plan_pretrain(replaced(PRETRAIN_ARGS, "--global-batch-size", "1024"),
@@ -160,9 +179,12 @@ def test_cli_plan_prints_the_plan_and_writes_the_timeline(tmp_path):
     assert "world 64 = tp 2 x pp 4 x cp 1 x dp 8" in out
     assert "global 512 = micro batch 2 x dp 8 x m 32 microbatches" in out
     assert "p=4, m=32, v=2 chunk(s) per rank" in out and "V layout" in out
-    assert "= 956,301,312 bytes" in out
-    rows = re.findall(r"^ +(\d)  (\d,\d) .* 8 x 4 layers +([\d,]+)  \(28\.50 GiB\)$", out, re.M)
-    assert rows == [(str(r), f"{r},{7 - r}", "30,601,641,984") for r in range(4)]
+    assert "= 285,212,672 bytes" in out
+    assert "stages (Megatron's split; " in out and ": E+4t | 4t | 4t | 4t | 4t | 4t | 4t | 4t+L" in out
+    rows = re.findall(r"^ +(\d)  (\d,\d) +(\S+) +\d+ +8 +([\d,]+) +\(([\d.]+) GiB\)", out, re.M)
+    assert rows[1:] == [(str(r), f"{r},{7 - r}", "4t,4t", "9,126,805,504", "8.50")
+                        for r in range(1, 4)]
+    assert rows[0][:3] == ("0", "0,7", "E+4t,4t+L")
     assert re.search(r"^predicted step: [\d.]+ t, bubble [\d.]+% \(unit costs", out, re.M)
     assert out.rstrip().endswith(f"wrote {page}")
     html = page.read_text()

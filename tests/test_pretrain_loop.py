@@ -122,6 +122,38 @@ def test_pipeline_schedule_flag_matches_megatron(
         assert out["lm loss"][0] == ref["lm loss"][0]  # the same starting weights
 
 
+# ------------------------------------------------------------------ uneven loop layouts
+
+FIRST_LAST = ("--decoder-first-pipeline-num-layers", "3", "--decoder-last-pipeline-num-layers",
+              "5")
+ACCOUNT = ("--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split")
+STRING = (LAYOUT, "Et|tttttttL")
+# every loop schedule under one of Megatron's uneven splits (each split under two of them),
+# against Megatron's own 1F1B with the same flags; (decoder layers per stage)
+UNEVEN = [("1f1b", FIRST_LAST, [3, 5]), ("zb-h2", FIRST_LAST, [3, 5]),
+          ("gpipe", ACCOUNT, [4, 4]), ("zb-h1", STRING, [1, 7])]
+
+
+@pytest.mark.parametrize("schedule,flags,decoders", UNEVEN,
+                         ids=[f"{row[0]}-{row[1][0][2:12]}" for row in UNEVEN])
+def test_uneven_loop_layouts_train_as_megatrons_1f1b(schedule, flags, decoders):
+    """Megatron's uneven splits through its own loop: the stages hold what Megatron builds
+    (and what ``plan`` says they hold), the losses and grad norms are Megatron's, bit for bit."""
+    from megatron_pp_ext.integration.pretrain_args import parse_pretrain_args
+    from megatron_pp_ext.integration.stage_layers import stage_layers
+
+    ref = _pretrain(extra=list(flags))
+    _check_run(ref, MEGATRON_1F1B)
+    out = _pretrain(schedule=schedule, extra=list(flags))
+    _check_run(out, f"ScheduleFunction({schedule!r})")
+    assert [len(layers) for _, layers in out["stages"].values()] == decoders
+    assert out["stages"] == ref["stages"]
+    planned = stage_layers(parse_pretrain_args(pretrain_argv(pp=2, dp=2, extra=flags)), 2, 1)
+    assert [stage.decoder for stage in planned] == decoders
+    assert out["lm loss"] == ref["lm loss"]
+    assert out["grad_norm"] == ref["grad_norm"]
+
+
 # ------------------------------------------------------------------ V layouts (issue 22)
 
 

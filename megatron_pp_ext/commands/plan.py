@@ -22,6 +22,8 @@ from pathlib import Path
 
 from ..analysis.render import render_html
 from ..analysis.simulate import CostModel, simulate
+from ..analysis.select import parse_size
+from ..integration.stage_flops import DEFAULT_EFFICIENCY, GPUS
 from .common import add_cost_args, costs_from_args
 
 UNITS = ("s", "t")
@@ -46,6 +48,16 @@ def register(subparsers) -> None:
                         help="what --t-f, --t-i, --t-w, --t-b, --t-comm are in: s (seconds, the "
                         "default when any is given: the step is printed in ms) or t (cost "
                         "units); unit costs (none given) are t, --costs seconds")
+    parser.add_argument("--gpu", metavar="NAME", choices=sorted(GPUS) + [g.lower() for g in GPUS],
+                        help="price each stage's F, I, W from its FLOPs on this GPU ("
+                        + ", ".join(GPUS) + ": the data sheet's dense peak) at --efficiency, "
+                        "and hold each rank's bytes to its memory")
+    parser.add_argument("--efficiency", type=float, default=DEFAULT_EFFICIENCY, metavar="E",
+                        help="share of the GPU's peak a step reaches, for --gpu (default "
+                        f"{DEFAULT_EFFICIENCY:g}, assumed)")
+    parser.add_argument("--gpu-memory", metavar="SIZE",
+                        help="each rank's memory, e.g. 80GiB (default: --gpu's); the plan says "
+                        "for every rank whether its total fits and by how much")
     parser.add_argument("--out", metavar="FILE", help="write the predicted timeline (HTML) there")
     parser.add_argument("--format", choices=("text", "json"), default="text")
     parser.add_argument("megatron_args", nargs=argparse.REMAINDER, metavar="-- ARGS",
@@ -65,28 +77,35 @@ def run(args) -> int:
                          "zb-v -- --pipeline-model-parallel-size 4 --num-layers 32 ...")
     if args.world_size is not None and args.world_size < 1:
         raise ValueError(f"--world-size {args.world_size} must be >= 1")
-    plan = plan_pretrain(argv, schedule=args.schedule, world_size=args.world_size)
+    memory = None if args.gpu_memory is None else int(parse_size(args.gpu_memory))
+    plan = plan_pretrain(argv, schedule=args.schedule, world_size=args.world_size,
+                         gpu=args.gpu, gpu_memory=memory, efficiency=args.efficiency)
 
     # the costs, checked against the plan's p (a measured rank's share holds for that p only)
     given = any(getattr(args, k) is not None for k in ("t_f", "t_i", "t_w", "t_b", "t_comm",
                                                        "t_overhead"))
     args.ranks, args.microbatches = plan.pp, plan.m
     costs, unit, measured = costs_from_args(args)
-    if measured is None:
+    if measured is None and not given and args.assume_split is None and plan.stage_costs:
+        costs = None  # the plan's own: each stage from its FLOPs on --gpu
+    elif measured is None:
         if given:
             unit = args.unit or "s"
         elif args.assume_split is None:
             costs = CostModel()
     elif args.unit == "t":
         raise ValueError("--costs are measured seconds: drop --unit t")
-    plan.timeline = simulate(plan.schedule, costs, validate=False)
-    plan.timeline.unit = unit
-    plan.costs_text = costs_text(costs, unit, measured, given)
+    if costs is not None:
+        plan.timeline = simulate(plan.schedule, costs, validate=False)
+        plan.timeline.unit = unit
+        plan.costs_text = costs_text(costs, unit, measured, given)
 
     if args.format == "json":
         data = plan.to_dict()
-        data["costs"] = {k: getattr(costs, k) for k in ("t_f", "t_i", "t_w", "t_b", "t_comm",
-                                                         "t_overhead")}
+        data["costs"] = (plan.stage_costs if costs is None else
+                         {k: getattr(costs, k) for k in ("t_f", "t_i", "t_w", "t_b", "t_comm",
+                                                         "t_overhead")})
+        data["costs_text"] = plan.costs_text
         data["costs_file"] = measured.path if measured else None
         print(json.dumps(data, indent=1))
     else:

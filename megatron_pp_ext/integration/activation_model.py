@@ -1,28 +1,36 @@
-"""The activation bytes of a Megatron GPT layer and stage, from Megatron-LM's arguments.
+"""The activation bytes a Megatron GPT stage keeps for one microbatch, from the model's shape.
 
-Activation memory, per rank, is estimated from the model's dimensions with the per-layer
-formula of Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
-Models" (Table 2; 16-bit activations, 1-byte dropout masks): for one microbatch of b sequences
-of s tokens through one transformer layer of hidden size h with a attention heads,
+Per transformer layer, the tensors Megatron saves for the backward (Korthikanti et al. 2022,
+"Reducing Activation Recomputation in Large Transformer Models", Table 2, generalized to
+query groups and gated MLPs), for T = s b / cp tokens of hidden size h, q = a d query and
+kv = g d key/value channels, MLP size f, 16-bit activations, 1-byte dropout masks:
 
-=================================  ===========================  ============================
-                                   tensor parallel t,           tensor parallel t,
-                                   sequence parallel            no sequence parallel
-=================================  ===========================  ============================
-no recompute                       s b h (34 + 5 a s / h) / t   s b h (10 + 24/t + 5 a s/(h t))
-selective recompute                s b h 34 / t                 s b h (10 + 24/t)
-full recompute (a layer's input)   2 s b h / t                  2 s b h
-=================================  ===========================  ============================
+* split over tp always: Q, K, V and the attention output, 4 T q + 4 T kv (4 T q + 4 T q
+  where attention is unfused: it repeats K and V to every head); the MLP's activations, 4 T f
+  (GELU: its input and fc2's) or 6 T f (SwiGLU with Megatron's default --bias-swiglu-fusion:
+  fc1's 2f-wide output and fc2's input; 10 T f unfused: also the SiLU's output and the linear
+  half); the attention scores, 5 a s T (softmax output, its dropout mask and output; 2 a s T
+  without attention dropout), only where they are kept;
+* split over tp only with sequence parallelism: the two norms' inputs, QKV's and fc1's
+  inputs, 8 T h, and two dropout masks, 2 T h (when --hidden-dropout > 0).
 
-(t = 1: s b h (34 + 5 a s / h), s b h 34, 2 s b h.) ``--attention-backend flash`` or ``fused``
-keep no attention scores, so the 5 a s / h term is dropped; ``--context-parallel-size c`` gives
-each rank s / c of the tokens; without ``--bf16`` / ``--fp16`` (fp32 activations) the figure is
-doubled. Full recompute with ``--recompute-method uniform`` and ``--recompute-num-layers n``
-keeps one input per group of n layers; ``block`` recomputes the first n layers of each chunk
-and keeps the others whole. A rank's peak is that per-layer figure x the layers per stage
-(chunk) x the simulator's peak count of microbatch activations alive at once on the rank
-(``validate.activation_trace``: F to B, or to W under a split backward). Transformer layers
-only: embedding, output layer and loss, weights, gradients and optimizer state are not in it.
+With a = g, f = 4h that is Korthikanti's s b h (34 + 5 a s/h)/t (sequence parallel) and
+s b h (10 + 24/t + 5 a s/(h t)) (without). The scores are kept only by unfused attention
+(``--attention-backend unfused`` or ``local``, or ``--transformer-impl local``): the default,
+Transformer Engine with ``auto``, runs flash or fused attention, which keeps no scores.
+``--recompute-granularity selective`` (``--recompute-activations``) drops the scores; ``full``
+keeps a layer's input, 2 T h (/t with sequence parallelism or --distribute-saved-activations),
+per ``--recompute-num-layers`` group (``uniform``) or for the first n layers of each chunk
+(``block``). A MoE layer's MLP part is its router's input 2 T h, the k token copies its
+experts receive (2 k T h + k (4 or 6) T f_moe) and its shared experts', all over tp with
+balanced routing (an estimate: not checked against measured bytes).
+
+Per stage: the layers it holds; the loss stage adds the final norm's and the output layer's
+inputs (4 T h) and the cross entropy's fp32 softmax over its share of the vocabulary,
+4 T V / t; the embedding stage its dropout mask, T h; an MTP layer is a layer plus its
+projection's input (4 T h), norms (4 T h) and its own softmax. Without ``--bf16`` / ``--fp16``
+the 16-bit terms double. A rank's peak is these stage bytes walked through the schedule
+(``runtime.memory.predicted_peak_bytes``).
 """
 
 from __future__ import annotations
@@ -30,134 +38,185 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import Any
+from typing import Any, Sequence
 
-from .pretrain_args import required_arg
+from .model_shape import ModelShape, model_shape
+from .stage_layers import StageLayers
 
 
 @dataclass
 class ActivationEstimate:
-    """Activation bytes one microbatch leaves on one rank, per transformer layer."""
+    """Activation bytes one microbatch leaves on one rank."""
 
-    bytes_per_layer: int
-    formula: str  # the formula with the values put in
+    bytes_per_layer: int  # a dense transformer layer
+    formula: str  # the per-layer formula with the values put in
     recompute: str  # "none", "selective" or "full"
     notes: list[str] = field(default_factory=list)
-    bytes_per_stage: int = 0  # one stage (chunk) of layers_per_stage layers
+    stage_bytes: list[int] = field(default_factory=list)  # per stage (model order)
+
+    @property
+    def bytes_per_stage(self) -> int:
+        """The largest stage's bytes (what an even split gives every stage)."""
+        return max(self.stage_bytes, default=0)
 
 
-def activation_estimate(args: Any, layers_per_stage: int) -> ActivationEstimate:
-    """Activation bytes of one microbatch through one transformer layer, and through one stage
-    of ``layers_per_stage`` layers (see the module docstring), from Megatron's arguments."""
-    s, b = required_arg(args, "seq_length", "--seq-length"), int(args.micro_batch_size)
-    h = required_arg(args, "hidden_size", "--hidden-size")
-    a = required_arg(args, "num_attention_heads", "--num-attention-heads")
-    t = int(args.tensor_model_parallel_size or 1)
-    cp = int(getattr(args, "context_parallel_size", 1) or 1)
-    sp = bool(getattr(args, "sequence_parallel", False)) and t > 1
+def activation_estimate(args: Any, stages: Sequence[StageLayers],
+                        shape: ModelShape | None = None) -> ActivationEstimate:
+    """Activation bytes of one microbatch per dense layer and per stage, from Megatron's
+    arguments (see the module docstring)."""
+    shape = shape or model_shape(args)
+    if shape.seq % shape.cp:
+        raise ValueError(f"--seq-length {shape.seq} is not a multiple of "
+                         f"--context-parallel-size {shape.cp}")
     notes = []
-    if cp > 1:
-        if s % cp:
-            raise ValueError(f"--seq-length {s} is not a multiple of --context-parallel-size "
-                             f"{cp}")
-        s //= cp
-        notes.append(f"context parallel {cp}: s = {s} tokens per rank")
+    if shape.cp > 1:
+        notes.append(f"context parallel {shape.cp}: {shape.seq // shape.cp} tokens per "
+                     "sequence per rank")
     granularity = getattr(args, "recompute_granularity", None)
     if getattr(args, "recompute_activations", False):
         granularity = "selective"
-    backend = getattr(args, "attention_backend", None)
-    backend = getattr(backend, "name", backend)
-    scores = str(backend) not in ("flash", "fused")
-    if not scores:
-        notes.append(f"--attention-backend {backend}: no attention scores kept (no 5as/h term)")
-    dims = _Dims(s, b, h, a, t, sp, scores, f"/{t}" if t > 1 else "")
-    if granularity == "full":
-        per_layer, per_stage, formula = _full_recompute(args, dims, layers_per_stage, notes)
-    elif granularity == "selective":
-        per_layer, formula = _selective(dims)
-        per_stage = per_layer * layers_per_stage
-    else:
-        per_layer, formula = _no_recompute(dims)
-        per_stage = per_layer * layers_per_stage
-    if not (getattr(args, "bf16", False) or getattr(args, "fp16", False)):
-        per_layer, per_stage = 2 * per_layer, 2 * per_stage
-        formula = f"2 x ({formula}) (fp32 activations)"
-        notes.append("no --bf16 / --fp16: fp32 activations, the 16-bit formula x 2")
-    if t > 1:
-        notes.append(f"tensor parallel {t}, "
-                     + ("sequence parallel" if sp else "no sequence parallel"))
     recompute = granularity if granularity in ("full", "selective") else "none"
-    return ActivationEstimate(_whole(per_layer), formula, recompute, notes,
-                              bytes_per_stage=_whole(per_stage))
+    scores = _keeps_scores(args)
+    if not scores:
+        notes.append("flash / fused attention (Transformer Engine's default): no attention "
+                     "scores kept")
+    if recompute == "selective":
+        scores = False
+    layer = _Layer(shape, scores)
+    per_layer, formula = layer.dense_bytes(), layer.formula()
+    if recompute == "full":
+        per_layer, formula = layer.input_bytes(args), layer.input_formula(args)
+    scale = 1 if shape.bf16_or_fp16 else 2
+    if scale == 2:
+        formula = f"2 x ({formula}) (fp32 activations)"
+        notes.append("no --bf16 / --fp16: fp32 activations, the 16-bit terms x 2")
+    if shape.tp > 1:
+        notes.append(f"tensor parallel {shape.tp}, "
+                     + ("sequence parallel" if shape.sequence_parallel else
+                        "no sequence parallel"))
+    stage_bytes = [_whole(scale * _stage_layers_bytes(args, layer, stage, recompute, notes)
+                          + _stage_extra_bytes(layer, stage, scale)) for stage in stages]
+    return ActivationEstimate(_whole(scale * per_layer), formula, recompute, notes,
+                              stage_bytes=stage_bytes)
+
+
+def _keeps_scores(args: Any) -> bool:
+    backend = getattr(args, "attention_backend", None)
+    backend = str(getattr(backend, "name", backend))
+    return backend in ("unfused", "local") or getattr(args, "transformer_impl", None) == "local"
 
 
 @dataclass(frozen=True)
-class _Dims:
-    s: int
-    b: int
-    h: int
-    a: int
-    t: int
-    sp: bool  # sequence parallel (with t > 1)
-    scores: bool  # attention scores kept (not flash / fused attention)
-    div: str  # "/t" in a formula, or ""
+class _Layer:
+    shape: ModelShape
+    scores: bool
+
+    @property
+    def sharded_always(self) -> Fraction:
+        """Bytes split over tp in every case, times tp (see the module docstring)."""
+        s = self.shape
+        # unfused attention repeats K and V to every head (GQA) before its matmuls save them
+        attention = 4 * s.query_size + 4 * (s.query_size if self.scores else s.kv_size)
+        mlp = s.mlp_activation_width * s.ffn
+        return Fraction(s.tokens * (attention + mlp)) + self.score_bytes
+
+    @property
+    def score_bytes(self) -> Fraction:
+        s = self.shape
+        if not self.scores:
+            return Fraction(0)
+        return Fraction((5 if s.attention_dropout else 2) * s.heads * s.seq * s.tokens)
+
+    @property
+    def sharded_with_sp(self) -> Fraction:
+        s = self.shape
+        return Fraction(s.tokens * s.hidden * (8 + (2 if s.hidden_dropout else 0)))
+
+    def _split(self, always: Fraction, with_sp: Fraction) -> Fraction:
+        t = self.shape.tp
+        return (always + with_sp) / t if self.shape.sequence_parallel else always / t + with_sp
+
+    def dense_bytes(self) -> Fraction:
+        return self._split(self.sharded_always, self.sharded_with_sp)
+
+    def moe_bytes(self) -> Fraction:
+        s = self.shape
+        gate = s.mlp_activation_width
+        mlp = Fraction(s.tokens * (s.topk * (2 * s.hidden + gate * s.moe_ffn)
+                                   + gate * s.shared_ffn))
+        dense_mlp = Fraction(s.tokens * gate * s.ffn)
+        always = self.sharded_always - dense_mlp + mlp  # the router's input: fc1's input's place
+        return self._split(always, self.sharded_with_sp)
+
+    def input_bytes(self, args: Any) -> Fraction:
+        s = self.shape
+        sharded = s.sequence_parallel or bool(getattr(args, "distribute_saved_activations",
+                                                      False))
+        return Fraction(2 * s.tokens * s.hidden, s.tp if sharded else 1)
+
+    def input_formula(self, args: Any) -> str:
+        s = self.shape
+        sharded = s.sequence_parallel or bool(getattr(args, "distribute_saved_activations",
+                                                      False))
+        div = f"/{s.tp}" if sharded and s.tp > 1 else ""
+        return f"2*T*h{div} = 2*{s.tokens}*{s.hidden}{div}"
+
+    def formula(self) -> str:
+        """The per-layer formula in units of T h (T = s b / cp tokens), values put in."""
+        s = self.shape
+        always = self.sharded_always - self.score_bytes
+        a = always / (s.tokens * s.hidden)
+        b = self.sharded_with_sp / (s.tokens * s.hidden)
+        coeff = lambda x: f"{float(x):g}"  # noqa: E731
+        scores = (f" + {5 if s.attention_dropout else 2}*a*s/h" if self.scores else "")
+        div = f"/{s.tp}" if s.tp > 1 else ""
+        if s.sequence_parallel or s.tp == 1:
+            return (f"T*h*({coeff(a + b)}{scores}){div}, T*h = {s.tokens}*{s.hidden}"
+                    f"{f', a*s/h = {s.heads}*{s.seq}/{s.hidden}' if scores else ''}")
+        scores = f" + ({scores[3:]}){div}" if scores else ""
+        return (f"T*h*({coeff(b)} + {coeff(a)}{div}{scores}), T*h = {s.tokens}*{s.hidden}")
 
 
-def _full_recompute(args: Any, d: _Dims, layers_per_stage: int, notes: list[str]):
-    """(per layer, per stage, formula): a layer's input kept, per recompute group."""
-    s, b, h, t = d.s, d.b, d.h, d.t
-    sharded = d.sp or bool(getattr(args, "distribute_saved_activations", False))
-    per_layer = Fraction(2 * s * b * h, t if sharded else 1)
-    formula = (f"2*s*b*h{d.div} = 2*{s}*{b}*{h}{d.div}" if sharded else
-               f"2*s*b*h = 2*{s}*{b}*{h}")
+def _stage_layers_bytes(args: Any, layer: _Layer, stage: StageLayers, recompute: str,
+                        notes: list[str]) -> Fraction:
+    """The transformer layers' bytes of one stage (16-bit)."""
+    shape = layer.shape
+    moe = [shape.moe_layers[i] for i in stage.layer_ids] + [
+        bool(shape.moe_layers and shape.moe_layers[-1])] * stage.mtp
+    whole = [layer.moe_bytes() if is_moe else layer.dense_bytes() for is_moe in moe]
+    if recompute != "full" or not whole:
+        return sum(whole, Fraction(0))
+    kept = layer.input_bytes(args)
     method = getattr(args, "recompute_method", None) or "uniform"
     n = int(getattr(args, "recompute_num_layers", None) or 1)
     if method == "block":
-        whole = _layer_bytes(s, b, h, d.a, t, d.sp, d.scores)
-        kept = min(n, layers_per_stage)
-        per_stage = per_layer * kept + whole * (layers_per_stage - kept)
-        if kept < layers_per_stage:
-            notes.append(f"full recompute, block: {kept} of {layers_per_stage} layers per "
-                         f"chunk recomputed, {layers_per_stage - kept} kept whole "
-                         f"({_whole(whole)} bytes each)")
-        return per_layer, per_stage, formula
-    groups = math.ceil(layers_per_stage / n)
-    if n > 1:
-        notes.append(f"full recompute, uniform: one input kept per {n} layers "
-                     f"({groups} per chunk)")
-    return per_layer, per_layer * groups, formula
+        recomputed = min(n, len(whole))
+        return kept * recomputed + sum(whole[recomputed:], Fraction(0))
+    groups = math.ceil(len(whole) / n)
+    note = f"full recompute, uniform: one input kept per {n} layers"
+    if n > 1 and note not in notes:
+        notes.append(note)
+    return kept * groups
 
 
-def _selective(d: _Dims):
-    s, b, h, t = d.s, d.b, d.h, d.t
-    if d.sp or t == 1:
-        return Fraction(34 * s * b * h, t), f"s*b*h*34{d.div} = {s}*{b}*{h}*34{d.div}"
-    return (Fraction(s * b * h) * (10 + Fraction(24, t)),
-            f"s*b*h*(10 + 24/t) = {s}*{b}*{h}*(10 + 24/{t})")
-
-
-def _no_recompute(d: _Dims):
-    s, b, h, a, t = d.s, d.b, d.h, d.a, d.t
-    per_layer = _layer_bytes(s, b, h, a, t, d.sp, d.scores)
-    if d.sp or t == 1:
-        attn, attn_v = (" + 5*a*s/h", f" + 5*{a}*{s}/{h}") if d.scores else ("", "")
-        return per_layer, f"s*b*h*(34{attn}){d.div} = {s}*{b}*{h}*(34{attn_v}){d.div}"
-    attn, attn_v = ((" + 5*a*s/(h*t)", f" + 5*{a}*{s}/({h}*{t})") if d.scores else ("", ""))
-    return per_layer, f"s*b*h*(10 + 24/t{attn}) = {s}*{b}*{h}*(10 + 24/{t}{attn_v})"
+def _stage_extra_bytes(layer: _Layer, stage: StageLayers, scale: int) -> Fraction:
+    """What a stage keeps besides its transformer layers: the embedding's dropout mask, the
+    loss's norm and output-layer inputs and fp32 softmax, MTP's projections and softmax."""
+    s = layer.shape
+    th = Fraction(s.tokens * s.hidden)
+    sp = s.tp if s.sequence_parallel else 1
+    softmax = Fraction(4 * s.tokens * s.vocab, s.tp)  # fp32 whatever the activations' dtype
+    extra = Fraction(0)
+    if stage.embedding and s.hidden_dropout:
+        extra += th / sp
+    if stage.loss:
+        extra += scale * 4 * th / sp + softmax
+    extra += stage.mtp * (scale * 8 * th / sp + softmax)
+    return extra
 
 
 def _whole(value: Fraction) -> int:
     return int(value) if value.denominator == 1 else int(round(value))
-
-
-def _layer_bytes(s, b, h, a, t, sp, scores) -> Fraction:
-    """A layer without recompute: s b h (34 + 5 a s/h) / t with sequence parallel (or t = 1),
-    s b h (10 + 24/t + 5 a s/(h t)) without; the 5 a s / h term only when scores are kept."""
-    attention = Fraction(5 * a * s, h) if scores else Fraction(0)
-    sbh = Fraction(s * b * h)
-    if sp or t == 1:
-        return sbh * (34 + attention) / t
-    return sbh * (10 + Fraction(24, t) + attention / t)
 
 
 __all__ = ["ActivationEstimate", "activation_estimate"]

@@ -1,22 +1,24 @@
 """The plan of a Megatron-LM command line (``pretrain_plan.plan_pretrain``) in a few lines:
-parallelism, batch, pipeline, per-rank stages and peak activation bytes, predicted step and
-bubble, notes."""
+parallelism, batch, pipeline, the layers of every stage, per-rank activation, static and total
+bytes (and whether they fit), per-stage costs, predicted step and bubble, notes."""
 
 from __future__ import annotations
 
 from ..units import human_bytes
 from .plan import warmup_counts
+from .stage_layers import describe
 
 
 def report(plan) -> str:  # a pretrain_plan.PretrainPlan
-    """The plan in a few lines: parallelism, batch, pipeline, per-rank stages and peak
-    activation bytes (exact and in GiB), predicted step and bubble, notes."""
+    """The plan as text (see the module docstring)."""
     p, m, v = plan.pp, plan.num_microbatches, plan.chunks
     layout = ("V layout: rank r holds stages r and 2p-1-r" if plan.layout == "v" else
               "the stages placed as the schedule file places them" if plan.layout == "other"
               else "loop layout: rank r holds stages r, r+p, ..." if v > 1 else
               "rank r holds stage r")
     act = plan.activations
+    split = (f"{p * v} stages of {plan.layers_per_stage} layers ({plan.num_layers} layers)"
+             if plan.even else f"{p * v} stages, uneven ({plan.num_layers} layers)")
     lines = [
         f"plan: {plan.name} ({plan.how_chosen}), from Megatron-LM's arguments as its own parser "
         "reads them (no GPU)",
@@ -25,36 +27,65 @@ def report(plan) -> str:  # a pretrain_plan.PretrainPlan
         f"batch: global {plan.global_batch} = micro batch {plan.micro_batch} x dp {plan.dp} x "
         f"m {m} microbatches per step",
         f"pipeline: p={p}, m={m}, v={v} chunk(s) per rank ({plan.chunks_from}); {layout}; "
-        f"{p * v} stages of {plan.layers_per_stage} layers ({plan.num_layers} layers)",
+        f"{split}",
+        f"stages (Megatron's split; E embedding, t transformer layer, L output layer and loss): "
+        f"{describe(plan.stages)}",
         f"activations per layer per microbatch "
         f"({'no' if act.recompute == 'none' else act.recompute} recompute): {act.formula} = "
         f"{act.bytes_per_layer:,} bytes ({human_bytes(act.bytes_per_layer)})"
         + (f"; {'; '.join(act.notes)}" if act.notes else ""),
     ]
-    warmups = warmup_counts(plan.schedule)
-    rows = [("rank", "stages", "warmup F", "peak in flight", "peak activation bytes", "")]
-    for r in range(p):
-        stages = ",".join(str(s) for s in plan.schedule.stages_of(r))
-        rows.append((str(r), stages, "-" if warmups[r] is None else str(warmups[r]),
-                     f"{plan.peak_in_flight[r]} x {plan.layers_per_stage} layers",
-                     f"{plan.peak_bytes[r]:,}", human_bytes(plan.peak_bytes[r])))
-    widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
-    for i, row in enumerate(rows):
-        cells = [row[0].rjust(widths[0]), row[1].ljust(widths[1]), row[2].rjust(widths[2]),
-                 row[3].rjust(widths[3]), row[4].rjust(widths[4]),
-                 f"({row[5]})" if i else ""]
-        lines.append("  ".join(cells).rstrip())
-    lines.append("  peak in flight: microbatch activations of one stage alive at once on the "
-                 "rank (transformer layers only)")
+    lines += _rank_table(plan)
+    lines += _cost_lines(plan)
     t = plan.timeline
-    if t.unit == "s":
-        step = f"{t.makespan * 1e3:.4g} ms"
-    else:
-        step = f"{t.makespan:.6g} t"
+    step = f"{t.makespan * 1e3:.4g} ms" if t.unit == "s" else f"{t.makespan:.6g} t"
     lines.append(f"predicted step: {step}, bubble {100 * t.bubble_fraction:.2f}%"
                  + (f" ({plan.costs_text})" if plan.costs_text else ""))
     lines += [f"note: {note}" for note in plan.notes]
     return "\n".join(lines)
+
+
+def _rank_table(plan) -> list[str]:
+    warmups = warmup_counts(plan.schedule)
+    budget = plan.memory[0].budget if plan.memory else None
+    head = ("rank", "stages", "layers", "warmup F", "peak in flight", "peak activation bytes",
+            "", "static bytes", "total", "fits" if budget is not None else "")
+    rows = [head]
+    for r, rank in enumerate(plan.memory):
+        stages = plan.schedule.stages_of(r)
+        fits = ""
+        if budget is not None:
+            fits = (f"yes, {human_bytes(rank.headroom)} left" if rank.fits else
+                    f"NO, {human_bytes(-rank.headroom)} over")
+        rows.append((str(r), ",".join(str(s) for s in stages),
+                     ",".join(plan.stages[s].describe() for s in stages),
+                     "-" if warmups[r] is None else str(warmups[r]),
+                     str(plan.peak_in_flight[r]), f"{rank.activation:,}",
+                     f"({human_bytes(rank.activation)})", human_bytes(rank.static),
+                     human_bytes(rank.total), fits))
+    widths = [max(len(row[c]) for row in rows) for c in range(len(head))]
+    right = {0, 3, 4, 5, 7, 8}
+    out = ["  ".join(cell.rjust(widths[c]) if c in right else cell.ljust(widths[c])
+                     for c, cell in enumerate(row)).rstrip() for row in rows]
+    out.append("  peak in flight: a count of microbatch activations of the rank's stages alive "
+               "at once; peak activation bytes: the stages' bytes walked through the schedule")
+    out.append(f"  static: weights, gradients and optimizer state ({plan.static_rule})"
+               + (f"; fits: total <= {human_bytes(budget)}"
+                  f"{f' ({plan.gpu.name})' if plan.gpu else ''}, not counting the CUDA "
+                  "context, NCCL and allocator buffers" if budget is not None else ""))
+    return out
+
+
+def _cost_lines(plan) -> list[str]:
+    if not plan.stage_costs:
+        return []
+    c = plan.stage_costs
+    ms = lambda x: f"{x * 1e3:.3g}"  # noqa: E731
+    out = [f"costs per stage per microbatch (ms; from FLOPs, {plan.gpu.name} at "
+           f"{plan.efficiency:g} of peak): " + "; ".join(
+               f"{s} {plan.stages[s].describe()} F {ms(c['t_f'][s])} I {ms(c['t_i'][s])} "
+               f"W {ms(c['t_w'][s])}" for s in range(len(plan.stages)))]
+    return out
 
 
 __all__ = ["report"]

@@ -26,22 +26,41 @@ from ..schedules import REGISTRY, build_schedule, is_schedule_file, load_schedul
 from ..schedules import schedule_layout
 from ..schedules.validate import peak_activations
 from ..timeline import Timeline
+from ..runtime.memory import predicted_peak_bytes
 from .activation_model import ActivationEstimate, activation_estimate
 from .megatron_args import _model_chunks, schedule_options_from_args
 from .plan_report import report as plan_report
+from .model_shape import model_shape
 from .pretrain_args import (Sizes, derive_sizes, parse_pretrain_args, required_arg,
                             split_launcher)
+from .stage_flops import DEFAULT_EFFICIENCY, Gpu, gpu_named, per_stage_seconds
+from .stage_layers import StageLayers, stage_layers, uneven_flags
+from .static_memory import bytes_per_param, stage_params
 
 #: The plugin's name for Megatron's own schedule, by chunks per rank.
 MEGATRON_DEFAULT = {1: "1f1b"}  # v >= 2: "interleaved"
 
-_UNEVEN_FLAGS = (
-    ("decoder_first_pipeline_num_layers", "--decoder-first-pipeline-num-layers"),
-    ("decoder_last_pipeline_num_layers", "--decoder-last-pipeline-num-layers"),
-    ("pipeline_model_parallel_layout", "--pipeline-model-parallel-layout"),
-    ("account_for_embedding_in_pipeline_split", "--account-for-embedding-in-pipeline-split"),
-    ("account_for_loss_in_pipeline_split", "--account-for-loss-in-pipeline-split"),
-)
+
+@dataclass
+class RankMemory:
+    """One rank's bytes: activations at the schedule's peak, and what it holds all step."""
+
+    activation: int
+    static: int  # weights, gradients, optimizer state
+    budget: int | None = None  # the GPU's memory, when known
+
+    @property
+    def total(self) -> int:
+        return self.activation + self.static
+
+    @property
+    def headroom(self) -> int | None:
+        """Bytes left (negative: over) under ``budget``."""
+        return None if self.budget is None else self.budget - self.total
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.budget is None else self.total <= self.budget
 
 
 @dataclass
@@ -62,11 +81,15 @@ class PretrainPlan:
     chunks_from: str
     layout: str  # "loop", "v", or "other" (a schedule file's own placement)
     num_layers: int
-    layers_per_stage: int
+    stages: list[StageLayers]  # per stage, model order
     activations: ActivationEstimate
-    peak_in_flight: list[int]  # per rank, microbatch activations of one stage (chunk)
-    peak_bytes: list[int]  # per rank
+    peak_in_flight: list[int]  # per rank, a count of microbatch activations of its stages
+    memory: list[RankMemory]  # per rank
     timeline: Timeline
+    static_rule: str = ""  # bytes per parameter, in words
+    stage_costs: dict | None = None  # {"t_f": [...], "t_i": [...], "t_w": [...]} per stage, s
+    gpu: Gpu | None = None
+    efficiency: float | None = None
     costs_text: str = ""
     notes: list[str] = field(default_factory=list)
 
@@ -82,35 +105,72 @@ class PretrainPlan:
     def v(self) -> int:
         return self.chunks
 
+    @property
+    def layers_per_stage(self) -> int:
+        """The most decoder layers a stage holds (every stage's, on an even split)."""
+        return max(stage.decoder for stage in self.stages)
+
+    @property
+    def even(self) -> bool:
+        return len({stage.decoder for stage in self.stages}) == 1
+
+    @property
+    def peak_bytes(self) -> list[int]:
+        """Per rank, peak activation bytes."""
+        return [rank.activation for rank in self.memory]
+
     def to_dict(self) -> dict:
+        stages_of = [list(self.schedule.stages_of(r)) for r in range(self.pp)]
         return {
             "schedule": self.name, "p": self.pp, "m": self.num_microbatches, "v": self.chunks,
             "dp": self.dp, "tp": self.tp, "cp": self.cp, "world_size": self.world_size,
             "world_size_from": self.world_from, "global_batch": self.global_batch,
             "micro_batch": self.micro_batch, "layout": self.layout,
             "num_layers": self.num_layers, "layers_per_stage": self.layers_per_stage,
-            "stages_of_rank": [list(self.schedule.stages_of(r)) for r in range(self.pp)],
+            "stages": [self._stage_dict(s) for s in range(len(self.stages))],
+            "stages_of_rank": stages_of,
             "activation_bytes_per_layer": self.activations.bytes_per_layer,
-            "activation_bytes_per_stage": self.activations.bytes_per_stage,
+            "activation_bytes_per_stage": list(self.activations.stage_bytes),
             "activation_formula": self.activations.formula,
             "recompute": self.activations.recompute,
             "peak_in_flight": list(self.peak_in_flight),
-            "peak_activation_bytes": list(self.peak_bytes),
+            "peak_activation_bytes": self.peak_bytes,
+            "static_bytes": [rank.static for rank in self.memory],
+            "static_rule": self.static_rule,
+            "total_bytes": [rank.total for rank in self.memory],
+            "gpu": self.gpu.name if self.gpu else None,
+            "gpu_memory_bytes": self.memory[0].budget if self.memory else None,
+            "fits": [rank.fits for rank in self.memory],
+            "headroom_bytes": [rank.headroom for rank in self.memory],
             "predicted_step": self.timeline.makespan, "unit": self.timeline.unit,
             "bubble_fraction": self.timeline.bubble_fraction,
         }
 
+    def _stage_dict(self, s: int) -> dict:
+        stage = self.stages[s]
+        out = {"stage": s, "rank": self.schedule.stage_to_rank[s], "layers": stage.describe(),
+               "decoder_layers": stage.decoder, "embedding": stage.embedding,
+               "loss": stage.loss, "mtp_layers": stage.mtp,
+               "activation_bytes": self.activations.stage_bytes[s]}
+        if self.stage_costs:
+            out.update({f"{k}_s": self.stage_costs[k][s] for k in ("t_f", "t_i", "t_w")})
+        return out
+
 
 def plan_pretrain(argv: Sequence[str], schedule: str | None = None,
                   world_size: int | None = None, costs: CostModel | None = None,
-                  unit: str = "t", costs_text: str = "") -> PretrainPlan:
+                  unit: str = "t", costs_text: str = "", gpu: str | None = None,
+                  gpu_memory: int | None = None,
+                  efficiency: float = DEFAULT_EFFICIENCY) -> PretrainPlan:
     """The plan for ``argv`` (a pretrain_gpt.py argument list, optionally behind its launcher,
     see :func:`split_launcher`) under ``schedule``, a name or a schedule file (.csv, .json;
     default: the arguments' ``--pipeline-schedule``, else Megatron's own: 1f1b, or interleaved
     with v >= 2 chunks).
-    ``costs``: a rank's share of one microbatch (``CostModel``; default unit costs), in
-    ``unit`` ("t" or "s"). Raises ValueError naming the values and the fix when the arguments
-    and the schedule do not fit together."""
+    ``costs``: a rank's share of one microbatch (``CostModel``), in ``unit`` ("t" or "s");
+    default: with ``gpu`` (H100, H200, B200) each stage's F, I, W from its FLOPs at
+    ``efficiency`` of the GPU's peak, in seconds, else unit costs. ``gpu_memory`` (bytes;
+    default the GPU's) is the budget each rank's total is held to. Raises ValueError naming
+    the values and the fix when the arguments and the schedule do not fit together."""
     pretrain_argv, launched, launched_from = split_launcher(argv)
     args = parse_pretrain_args(pretrain_argv)
     sizes = derive_sizes(args, world_size, launched, launched_from)
@@ -122,24 +182,55 @@ def plan_pretrain(argv: Sequence[str], schedule: str | None = None,
     name = options["schedule"]
     file_schedule, layout, v = _schedule_source(name, options, sizes)
     num_layers = required_arg(args, "num_layers", "--num-layers")
-    layers_per_stage = _layers_per_stage(args, name, num_layers, sizes.pp, v, layout)
+    stages = _stages(args, name, num_layers, sizes.pp, v, layout)
     built = file_schedule or _build(name, options, sizes, v)
     if sizes.pp > sizes.num_microbatches:
         notes.append(f"p={sizes.pp} > m={sizes.num_microbatches}: most ranks idle most of the "
                      "step; raise --global-batch-size so that m >= p")
-    activations = activation_estimate(args, layers_per_stage)
-    peaks = peak_activations(built)
+    shape = model_shape(args)
+    activations = activation_estimate(args, stages, shape)
+    device = gpu_named(gpu) if gpu else None
+    stage_costs = (per_stage_seconds(shape, stages, activations.recompute, device, efficiency)
+                   if device else None)
+    if costs is None and stage_costs is not None:
+        costs, unit = CostModel.for_stages(**stage_costs), "s"
+        costs_text = costs_text or (
+            f"each stage's F, I, W from its FLOPs at {efficiency:g} of the {device.name}'s "
+            f"{'fp8' if shape.fp8 else 'bf16'} peak (assumed)")
     timeline = simulate(built, costs or CostModel(), validate=False)
     timeline.unit = unit
+    budget = gpu_memory if gpu_memory is not None else (device.memory_bytes if device else None)
+    memory, rule = _rank_memory(args, shape, stages, built, activations, sizes, budget)
     return PretrainPlan(
         schedule=built, name=name, how_chosen=how, tp=sizes.tp, pp=sizes.pp, cp=sizes.cp,
         dp=sizes.dp, world_size=sizes.world_size, world_from=sizes.world_from,
         global_batch=sizes.global_batch, micro_batch=sizes.micro_batch,
         num_microbatches=sizes.num_microbatches, chunks=v, chunks_from=_chunks_from(args),
-        layout=layout, num_layers=num_layers, layers_per_stage=layers_per_stage,
-        activations=activations, peak_in_flight=list(peaks),
-        peak_bytes=[count * activations.bytes_per_stage for count in peaks],
-        timeline=timeline, costs_text=costs_text, notes=notes)
+        layout=layout, num_layers=num_layers, stages=stages, activations=activations,
+        peak_in_flight=list(peak_activations(built)), memory=memory, timeline=timeline,
+        static_rule=rule, stage_costs=stage_costs, gpu=device,
+        efficiency=efficiency if device else None, costs_text=costs_text, notes=notes)
+
+
+def _rank_memory(args, shape, stages, schedule, activations, sizes: Sizes,
+                 budget: int | None) -> tuple[list[RankMemory], str]:
+    """Per rank: the schedule's peak of its stages' activation bytes, and the static bytes
+    of its stages (``static_memory``)."""
+    per_param, rule = bytes_per_param(args)
+    distributed = bool(getattr(args, "use_distributed_optimizer", False))
+    dp_shards = sizes.dp * sizes.cp if distributed else 1
+    expert_dp = max(1, sizes.world_size // (shape.etp * shape.ep * sizes.pp))
+    if distributed:
+        rule += f", the optimizer state sharded over {dp_shards} data-parallel ranks"
+    peaks = predicted_peak_bytes(schedule, dict(enumerate(activations.stage_bytes)))
+    single = len(stages) == 1
+    memory = []
+    for rank in range(schedule.num_ranks):
+        static = sum(per_param.of(stage_params(shape, stages[s], shares_tied_copy=single),
+                                  dp_shards, expert_dp if distributed else 1)
+                     for s in schedule.stages_of(rank))
+        memory.append(RankMemory(peaks[rank], static, budget))
+    return memory, rule
 
 
 def _schedule_source(name: str, options: dict, sizes: Sizes):
@@ -169,15 +260,12 @@ def _chunks_from(args: Any) -> str:
     return "no virtual-pipeline arguments"
 
 
-def _layers_per_stage(args: Any, name: str, num_layers: int, pp: int, v: int,
-                      layout: str) -> int:
-    uneven = [flag for attr, flag in _UNEVEN_FLAGS if getattr(args, attr, None)]
-    if uneven:
-        raise ValueError(f"plan assumes --num-layers split evenly over the stages; "
-                         f"{', '.join(uneven)} split them unevenly: drop it to plan the even "
-                         "split")
-    stages = pp * v
-    if num_layers % stages:
+def _stages(args: Any, name: str, num_layers: int, pp: int, v: int,
+            layout: str) -> list[StageLayers]:
+    """The layers of every stage, as Megatron splits them (``stage_layers``); an even split
+    that does not divide gets the plan's own message with the sizes that would."""
+    if not uneven_flags(args) and num_layers % (pp * v):
+        stages = pp * v
         lower, upper = (num_layers // stages) * stages, (num_layers // stages + 1) * stages
         sizes = [q for q in range(2, num_layers + 1) if num_layers % (q * v) == 0][:6]
         what = (f"2p = {stages} stages (V layout: rank r holds stages r and 2p-1-r)"
@@ -188,8 +276,10 @@ def _layers_per_stage(args: Any, name: str, num_layers: int, pp: int, v: int,
             f"not a multiple of {stages}: use --num-layers {upper}"
             f"{f' or {lower}' if lower else ''}"
             + (f", or a --pipeline-model-parallel-size p with {v}p dividing {num_layers} "
-               f"(p = {', '.join(str(q) for q in sizes)})" if sizes else ""))
-    return num_layers // stages
+               f"(p = {', '.join(str(q) for q in sizes)})" if sizes else "")
+            + " (or split it unevenly with --decoder-first-pipeline-num-layers / "
+            "--decoder-last-pipeline-num-layers or --pipeline-model-parallel-layout)")
+    return stage_layers(args, pp, v)
 
 
 def _build(name: str, options: dict, sizes: Sizes, v: int) -> Schedule:
