@@ -205,3 +205,90 @@ def plan_activation(args):
     from megatron_pp_ext.integration.activation_model import activation_estimate
 
     return activation_estimate(args, stage_layers(args, 1, 1))
+
+
+# ------------------------------------------------------------------ plan --format json
+
+
+def _plan_json(capsys, *plan_args, argv=LLAMA_70B):
+    import json
+
+    from megatron_pp_ext.cli import main
+
+    assert main(["plan", *plan_args, "--format", "json", "--", *argv]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_plan_json_of_a_70b_model_on_h100s(capsys):
+    """The issue's 70B-class model on 512 H100s under zb-v (vpp 2): per stage its layers and
+    costs in seconds (the output layer makes the last stage heavier), per rank activation,
+    static and total bytes and whether they fit in 80 GB; selective recompute changes
+    nothing here (flash attention keeps no scores to drop)."""
+    argv = LLAMA_70B + ["--num-virtual-stages-per-pipeline-rank", "2",
+                        "--use-distributed-optimizer"]
+    plan = _plan_json(capsys, "--schedule", "zb-v", "--world-size", "512", "--gpu", "H100",
+                      argv=argv)
+    assert (plan["p"], plan["v"], plan["m"], plan["dp"]) == (8, 2, 64, 8)
+    stages = plan["stages"]
+    assert [s["layers"] for s in stages] == ["E+5t"] + ["5t"] * 14 + ["5t+L"]
+    assert [s["rank"] for s in stages] == list(range(8)) + list(range(7, -1, -1))
+    assert stages[15]["t_f_s"] > 1.15 * stages[1]["t_f_s"] and stages[0]["t_f_s"] == \
+        pytest.approx(stages[1]["t_f_s"])
+    assert plan["gpu"] == "H100" and plan["gpu_memory_bytes"] == 80 * 10**9
+    total = [a + s for a, s in zip(plan["peak_activation_bytes"], plan["static_bytes"])]
+    assert plan["total_bytes"] == total and plan["fits"] == [t <= 80 * 10**9 for t in total]
+    assert plan["headroom_bytes"] == [80 * 10**9 - t for t in total]
+    # rank 0 holds the embedding and the output layer (V layout): the most static bytes
+    assert plan["static_bytes"][0] > max(plan["static_bytes"][1:])
+    assert plan["unit"] == "s" and 1 < plan["predicted_step"] < 60
+    selective = _plan_json(capsys, "--schedule", "zb-v", "--world-size", "512", "--gpu", "H100",
+                           argv=argv + ["--recompute-granularity", "selective"])
+    assert selective["peak_activation_bytes"] == plan["peak_activation_bytes"]
+    unfused = _plan_json(capsys, "--schedule", "zb-v", "--world-size", "512", "--gpu", "H100",
+                         argv=argv + ["--attention-backend", "unfused"])
+    assert all(u > 1.5 * a for u, a in zip(unfused["peak_activation_bytes"],
+                                           plan["peak_activation_bytes"]))
+    assert not any(unfused["fits"])  # the scores of 8192 tokens do not fit
+
+
+def test_plan_json_of_an_uneven_layout(capsys):
+    argv = LLAMA_70B + PP4 + ["--decoder-first-pipeline-num-layers", "9",
+                              "--decoder-last-pipeline-num-layers", "9"]
+    plan = _plan_json(capsys, "--schedule", "zb-h1", "--world-size", "128", "--gpu", "B200",
+                      "--gpu-memory", "100GiB", argv=argv)
+    assert [s["layers"] for s in plan["stages"]] == ["E+9t", "7t", "7t", "9t+L"]
+    t_f = [s["t_f_s"] for s in plan["stages"]]
+    assert t_f[0] == pytest.approx(9 / 7 * t_f[1]) and t_f[3] > t_f[0]
+    assert plan["gpu_memory_bytes"] == 100 * 2**30
+    assert plan["activation_bytes_per_stage"][0] == pytest.approx(
+        9 / 7 * plan["activation_bytes_per_stage"][1], rel=0.01)
+
+
+def test_select_ranks_the_schedules_that_fit_a_70b_model(capsys):
+    """``select -- ARGS``: every schedule planned on the model (each chunked as it needs),
+    ranked by predicted step among those whose every rank fits in the H100's 80 GB; gpipe's
+    64 microbatches in flight do not fit. Under an uneven loop split the V schedules are
+    excluded with Megatron's reason, the loop ones still ranked."""
+    import json
+
+    from megatron_pp_ext.cli import main
+
+    argv = LLAMA_70B + ["--use-distributed-optimizer"]
+    assert main(["select", "--gpu", "h100", "--world-size", "512", "--format", "json", "--",
+                 *argv]) == 0
+    data = json.loads(capsys.readouterr().out)
+    ranked = [row["schedule"] for row in data["ranked"]]
+    assert set(ranked) == {"1f1b", "zb-h1", "zb-h2", "interleaved", "zb-v", "dualpipev"}
+    steps = [row["predicted_step_s"] for row in data["ranked"]]
+    assert steps == sorted(steps) and ranked[0] in ("zb-v", "dualpipev")
+    assert all(all(row["fits"]) for row in data["ranked"])
+    assert [row["schedule"] for row in data["too_big"]] == ["gpipe"]
+    assert {row["schedule"]: row["v"] for row in data["ranked"]}["interleaved"] == 2
+
+    uneven = argv + PP4 + ["--decoder-first-pipeline-num-layers", "9",
+                           "--decoder-last-pipeline-num-layers", "9"]
+    assert main(["select", "--gpu", "H100", "--world-size", "128", "--schedules",
+                 "1f1b,zb-h1,zb-v", "--", *uneven]) == 0
+    text = capsys.readouterr().out
+    assert "1  zb-h1" in text and "2  1f1b" in text
+    assert "excluded:\n  zb-v: --pipeline-schedule zb-v (V layout" in text

@@ -10,6 +10,8 @@ from ..analysis.costs import ACTIVATION_UNIT, format_counts, format_time
 from ..analysis.select import MiB, Selection, format_bytes, parse_size, select_schedules
 from ..schedules import schedule_names
 from .hints import warn_p_exceeds_m
+from ..integration.stage_flops import DEFAULT_EFFICIENCY, GPUS
+from ..units import human_bytes
 from .common import COSTS_HELP, add_cost_args, add_size_args, costs_from_args, describe_costs
 
 FORMATS = ("text", "json")
@@ -58,6 +60,21 @@ def register(subparsers) -> None:
     parser.add_argument("--chunks-options", type=int_list, default=(2, 3, 4), metavar="V,...",
                         help="interleaved chunk counts to try (default 2,3,4)")
     parser.add_argument("--format", choices=FORMATS, default="text")
+    megatron = parser.add_argument_group(
+        "a Megatron-LM command line (after --): each candidate planned on its model, layout "
+        "and GPU (as plan does), ranked among those whose every rank fits in memory")
+    megatron.add_argument("--gpu", metavar="NAME", type=str.upper, choices=sorted(GPUS),
+                          help="the GPU whose peak prices each stage's FLOPs and whose memory "
+                          "each rank's weights, optimizer state and activations must fit")
+    megatron.add_argument("--gpu-memory", type=_size, metavar="SIZE",
+                          help="each rank's memory (default: --gpu's)")
+    megatron.add_argument("--efficiency", type=float, default=DEFAULT_EFFICIENCY, metavar="E",
+                          help=f"share of the GPU's peak a step reaches (default "
+                          f"{DEFAULT_EFFICIENCY:g}, assumed)")
+    megatron.add_argument("--world-size", type=int, metavar="N",
+                          help="GPUs in the job (default: the launcher's, else dp = 1)")
+    parser.add_argument("megatron_args", nargs=argparse.REMAINDER, metavar="-- ARGS",
+                        help="pretrain_gpt.py's arguments (optionally behind its launcher)")
     parser.set_defaults(func=run)
 
 
@@ -65,6 +82,11 @@ def run(args) -> int:
     candidates = None
     if args.schedules:
         candidates = [name.strip() for name in args.schedules.split(",") if name.strip()]
+    argv = list(args.megatron_args or [])
+    if argv and argv[0] == "--":
+        argv = argv[1:]
+    if argv:
+        return run_pretrain(args, argv, candidates)
     costs, unit, measured = costs_from_args(args)
     if args.ranks is None or args.microbatches is None:
         raise ValueError("select needs --ranks P and --microbatches M (or --costs FILE, "
@@ -159,3 +181,58 @@ def render_text(selection: Selection, unit: str = "t", activation_from: str = "g
         lines += ["", "excluded:"]
         lines += [f"  {e.name} (v={e.chunks}): {e.reason}" for e in selection.excluded]
     return "\n".join(lines)
+
+
+def run_pretrain(args, argv: list[str], candidates) -> int:
+    """``select -- <pretrain_gpt.py args>``: every candidate planned on the model (see
+    ``integration.pretrain_select``)."""
+    from ..integration.pretrain_select import select_pretrain
+
+    selection = select_pretrain(argv, gpu=args.gpu, world_size=args.world_size,
+                                gpu_memory=None if args.gpu_memory is None
+                                else int(args.gpu_memory),
+                                efficiency=args.efficiency, candidates=candidates)
+    if args.format == "json":
+        data = {"ranked": [_plan_row(plan) for plan in selection.ranked],
+                "too_big": [_plan_row(plan) for plan in selection.too_big],
+                "excluded": [{"schedule": n, "reason": why} for n, why in selection.excluded]}
+        sys.stdout.write(json.dumps(data, indent=1) + "\n")
+        return 0
+    plans = selection.ranked + selection.too_big
+    first = plans[0] if plans else None
+    lines = []
+    if first is not None:
+        budget = first.memory[0].budget
+        lines.append(f"p={first.p} m={first.m} (tp {first.tp}, dp {first.dp}); each stage "
+                     f"priced from its FLOPs at {first.efficiency:g} of the {first.gpu.name}'s "
+                     f"peak; budget {human_bytes(budget)} per rank (weights, gradients, "
+                     "optimizer state and activations)")
+        lines.append("")
+    header = ("#", "schedule", "v", "step", "vs best", "bubble", "most bytes on a rank",
+              "fits")
+    best = selection.best.timeline.makespan if selection.best else None
+    rows = [(str(i + 1) if i < len(selection.ranked) else "-", plan.name, str(plan.v),
+             f"{plan.timeline.makespan * 1e3:.5g} ms",
+             f"{plan.timeline.makespan / best:.3f}" if best else "-",
+             f"{100 * plan.timeline.bubble_fraction:.1f}%",
+             human_bytes(max(rank.total for rank in plan.memory)),
+             "yes" if i < len(selection.ranked) else "no")
+            for i, plan in enumerate(plans)]
+    widths = [max(len(h), *(len(row[c]) for row in rows)) if rows else len(h)
+              for c, h in enumerate(header)]
+    lines.append("  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip())
+    lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    if not selection.ranked:
+        lines.append("no schedule fits: see `plan` for each rank's bytes")
+    if selection.excluded:
+        lines += ["", "excluded:"] + [f"  {name}: {why}" for name, why in selection.excluded]
+    sys.stdout.write("\n".join(lines) + "\n")
+    return 0
+
+
+def _plan_row(plan) -> dict:
+    return {"schedule": plan.name, "v": plan.v, "predicted_step_s": plan.timeline.makespan,
+            "bubble_fraction": plan.timeline.bubble_fraction,
+            "total_bytes": [rank.total for rank in plan.memory],
+            "fits": [rank.fits for rank in plan.memory],
+            "stages": [stage.describe() for stage in plan.stages]}

@@ -22,7 +22,8 @@ class ModelShape:
     ffn: int  # f, the dense MLP's hidden size
     swiglu: bool
     fused_swiglu: bool  # --bias-swiglu-fusion (Megatron's default): one saved input
-    vocab: int  # V, padded as Megatron pads it
+    vocab: int  # V, padded as Megatron pads it (0: unknown, see vocab_note)
+    vocab_note: str  # where V came from, or why it is unknown
     seq: int  # s, tokens per sequence
     micro_batch: int  # b
     tp: int
@@ -87,11 +88,8 @@ def model_shape(args: Any) -> ModelShape:
         ffn = int((4 * h * 2 / 3) / 64) * 64 if swiglu else 4 * h
     groups = (int(args.num_query_groups) if getattr(args, "group_query_attention", False)
               and getattr(args, "num_query_groups", None) else a)
-    vocab = getattr(args, "padded_vocab_size", None) or getattr(args, "vocab_size", None)
-    if vocab is None:
-        raise ValueError("the arguments have no --vocab-size: the plan needs it for the "
-                         "embedding and the output layer (a tokenizer's size is not read)")
-    if not getattr(args, "padded_vocab_size", None):
+    vocab, vocab_note = _vocab(args)
+    if vocab and not getattr(args, "padded_vocab_size", None):
         vocab = calculate_padded_vocab_size(int(vocab), int(args.make_vocab_size_divisible_by),
                                             tp, logging_enabled=False)
     experts = int(getattr(args, "num_experts", None) or 0)
@@ -99,7 +97,7 @@ def model_shape(args: Any) -> ModelShape:
         num_layers=layers, hidden=h, heads=a, query_groups=groups,
         kv_channels=int(getattr(args, "kv_channels", None) or h // a), ffn=int(ffn),
         swiglu=swiglu, fused_swiglu=bool(getattr(args, "bias_swiglu_fusion", True)),
-        vocab=int(vocab),
+        vocab=int(vocab), vocab_note=vocab_note,
         seq=required_arg(args, "seq_length", "--seq-length"),
         micro_batch=int(args.micro_batch_size), tp=tp,
         sequence_parallel=bool(getattr(args, "sequence_parallel", False)) and tp > 1,
@@ -122,6 +120,24 @@ def model_shape(args: Any) -> ModelShape:
         bf16_or_fp16=bool(getattr(args, "bf16", False) or getattr(args, "fp16", False)),
         fp8=getattr(args, "fp8", None) is not None,
     )
+
+
+#: Vocabulary sizes of the tokenizers whose size needs no file (Megatron's GPT-2 BPE: 50257).
+TOKENIZER_VOCAB = {"GPT2BPETokenizer": 50257}
+
+
+def _vocab(args: Any) -> tuple[int, str]:
+    """(the vocabulary before padding, where it came from); 0 when only a tokenizer's files
+    could tell (the embedding and the output layer then go uncounted, said so)."""
+    if getattr(args, "padded_vocab_size", None):
+        return int(args.padded_vocab_size), "the padded vocabulary"
+    if getattr(args, "vocab_size", None):
+        return int(args.vocab_size), "--vocab-size"
+    tokenizer = getattr(args, "tokenizer_type", None)
+    if tokenizer in TOKENIZER_VOCAB:
+        return TOKENIZER_VOCAB[tokenizer], f"--tokenizer-type {tokenizer}"
+    return 0, ("no --vocab-size (the tokenizer's size is in its files): the embedding, the "
+               "output layer and the loss are not counted; give --vocab-size N")
 
 
 def _moe_pattern(args: Any, layers: int, experts: int) -> tuple[bool, ...]:

@@ -188,6 +188,8 @@ def plan_pretrain(argv: Sequence[str], schedule: str | None = None,
         notes.append(f"p={sizes.pp} > m={sizes.num_microbatches}: most ranks idle most of the "
                      "step; raise --global-batch-size so that m >= p")
     shape = model_shape(args)
+    if not shape.vocab:
+        notes.append(shape.vocab_note)
     activations = activation_estimate(args, stages, shape)
     device = gpu_named(gpu) if gpu else None
     stage_costs = (per_stage_seconds(shape, stages, activations.recompute, device, efficiency)

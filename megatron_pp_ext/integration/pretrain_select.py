@@ -1,0 +1,95 @@
+"""The fastest schedule that fits, for a Megatron-LM command line: every candidate planned
+(``pretrain_plan.plan_pretrain``) on the arguments' own model, layout and GPU, ranked by
+predicted step among those whose every rank fits in the GPU's memory.
+
+A candidate runs the model chunked as it needs: one chunk per rank (1f1b, gpipe, zb-h1,
+zb-h2), the arguments' virtual stages (at least 2) for interleaved, two V chunks for zb-v and
+dualpipev: ``--num-virtual-stages-per-pipeline-rank`` is set accordingly (a
+``--pipeline-model-parallel-layout`` string fixes the chunks: a candidate that needs others is
+excluded, as is one Megatron's layout flags rule out, with the plan's reason).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from ..schedules import candidates_by_layout
+from .pretrain_plan import PretrainPlan, plan_pretrain
+from .stage_flops import DEFAULT_EFFICIENCY
+
+#: flags that set the virtual stages, each with its value (replaced per candidate)
+_VIRTUAL_FLAGS = ("--num-virtual-stages-per-pipeline-rank",
+                  "--num-layers-per-virtual-pipeline-stage")
+
+
+@dataclass
+class PretrainSelection:
+    ranked: list[PretrainPlan]  # fastest first, every rank fits
+    too_big: list[PretrainPlan]  # planned, some rank does not fit
+    excluded: list[tuple[str, str]] = field(default_factory=list)  # (name, why)
+
+    @property
+    def best(self) -> PretrainPlan | None:
+        return self.ranked[0] if self.ranked else None
+
+
+def select_pretrain(argv: Sequence[str], gpu: str | None, world_size: int | None = None,
+                    gpu_memory: int | None = None, efficiency: float = DEFAULT_EFFICIENCY,
+                    candidates: Sequence[str] | None = None) -> PretrainSelection:
+    """Plan every candidate (default: every registered schedule) for ``argv`` on ``gpu``
+    (its FLOPs price the stages; its memory, or ``gpu_memory`` bytes, is the budget) and rank
+    them. ValueError when the budget or the costs are unknown."""
+    if gpu is None:
+        raise ValueError("select with Megatron-LM's arguments prices each stage from its FLOPs: "
+                         "give --gpu NAME (H100, H200, B200), and --gpu-memory SIZE for "
+                         "another capacity")
+    argv = [str(a) for a in argv]
+    layouts = candidates_by_layout()
+    names = list(candidates) if candidates else [n for names in layouts.values() for n in names]
+    ranked, too_big, excluded = [], [], []
+    for name in names:
+        try:
+            plan = plan_pretrain(_with_chunks(argv, _chunks_for(name, argv, layouts)),
+                                 schedule=name, world_size=world_size, gpu=gpu,
+                                 gpu_memory=gpu_memory, efficiency=efficiency)
+        except ValueError as exc:
+            excluded.append((name, str(exc)))
+            continue
+        (ranked if all(rank.fits for rank in plan.memory) else too_big).append(plan)
+    ranked.sort(key=lambda plan: plan.timeline.makespan)
+    too_big.sort(key=lambda plan: max(rank.total for rank in plan.memory))
+    return PretrainSelection(ranked, too_big, excluded)
+
+
+def _chunks_for(name: str, argv: list[str], layouts: dict) -> int | None:
+    """The chunks per rank the candidate runs (None: the arguments' own, for interleaved)."""
+    if name in layouts["v"]:
+        return 2
+    if name in layouts["one-chunk"]:
+        return 1
+    return None
+
+
+def _with_chunks(argv: list[str], chunks: int | None) -> list[str]:
+    """``argv`` with its virtual-stage flags set for ``chunks`` per rank (None: unchanged,
+    at least 2). A layout string is left alone: it fixes the chunks."""
+    if chunks is None and not any(flag in argv for flag in _VIRTUAL_FLAGS):
+        chunks = 2
+    if chunks is None or any(a.startswith("--pipeline-model-parallel-layout") for a in argv):
+        return argv
+    out, skip = [], False
+    for token in argv:
+        if skip:
+            skip = False
+            continue
+        if token in _VIRTUAL_FLAGS:
+            skip = True
+            continue
+        if token.split("=", 1)[0] in _VIRTUAL_FLAGS:
+            continue
+        out.append(token)
+    return out + (["--num-virtual-stages-per-pipeline-rank", str(chunks)] if chunks > 1 else [])
+
+
+__all__ = ["PretrainSelection", "select_pretrain"]
