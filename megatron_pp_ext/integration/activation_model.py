@@ -171,7 +171,8 @@ class _Layer:
         scores = (f" + {5 if s.attention_dropout else 2}*a*s/h" if self.scores else "")
         div = f"/{s.tp}" if s.tp > 1 else ""
         if s.sequence_parallel or s.tp == 1:
-            return (f"T*h*({coeff(a + b)}{scores}){div}, T*h = {s.tokens}*{s.hidden}"
+            terms = f"({coeff(a + b)}{scores})" if scores else coeff(a + b)
+            return (f"T*h*{terms}{div}, T*h = {s.tokens}*{s.hidden}"
                     f"{f', a*s/h = {s.heads}*{s.seq}/{s.hidden}' if scores else ''}")
         scores = f" + ({scores[3:]}){div}" if scores else ""
         return (f"T*h*({coeff(b)} + {coeff(a)}{div}{scores}), T*h = {s.tokens}*{s.hidden}")

@@ -77,15 +77,22 @@ def _rank_table(plan) -> list[str]:
 
 
 def _cost_lines(plan) -> list[str]:
+    """Per stage F, I, W in ms, consecutive stages with the same layers and costs as one."""
     if not plan.stage_costs:
         return []
     c = plan.stage_costs
     ms = lambda x: f"{x * 1e3:.3g}"  # noqa: E731
-    out = [f"costs per stage per microbatch (ms; from FLOPs, {plan.gpu.name} at "
-           f"{plan.efficiency:g} of peak): " + "; ".join(
-               f"{s} {plan.stages[s].describe()} F {ms(c['t_f'][s])} I {ms(c['t_i'][s])} "
-               f"W {ms(c['t_w'][s])}" for s in range(len(plan.stages)))]
-    return out
+    groups: list[list] = []  # [first stage, last stage, text]
+    for s in range(len(plan.stages)):
+        text = (f"{plan.stages[s].describe()}: F {ms(c['t_f'][s])} I {ms(c['t_i'][s])} "
+                f"W {ms(c['t_w'][s])}")
+        if groups and groups[-1][2] == text:
+            groups[-1][1] = s
+        else:
+            groups.append([s, s, text])
+    stages = "; ".join(f"stage {a if a == b else f'{a}-{b}'} {text}" for a, b, text in groups)
+    return [f"costs per microbatch (ms; from FLOPs, {plan.gpu.name} at {plan.efficiency:g} of "
+            f"its peak): {stages}"]
 
 
 __all__ = ["report"]

@@ -279,8 +279,10 @@ def _stages(args: Any, name: str, num_layers: int, pp: int, v: int,
             f"{f' or {lower}' if lower else ''}"
             + (f", or a --pipeline-model-parallel-size p with {v}p dividing {num_layers} "
                f"(p = {', '.join(str(q) for q in sizes)})" if sizes else "")
-            + " (or split it unevenly with --decoder-first-pipeline-num-layers / "
-            "--decoder-last-pipeline-num-layers or --pipeline-model-parallel-layout)")
+            + (" (or give every stage its layers with --pipeline-model-parallel-layout)"
+               if layout == "v" else " (or split it unevenly: --decoder-first-pipeline-num-"
+               "layers / --decoder-last-pipeline-num-layers or --pipeline-model-parallel-"
+               "layout)"))
     return stage_layers(args, pp, v)
 
 
