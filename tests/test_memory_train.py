@@ -15,6 +15,7 @@ import pytest
 from megatron_pp_ext.integration.auto import AutoSchedule, measured_activation_bytes
 from megatron_pp_ext.runtime.executor import StepResult
 from megatron_pp_ext.schedules import build_schedule
+from support.train_cli import run_train_all
 
 REPO = Path(__file__).resolve().parents[1]
 LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_STEP_ID")
@@ -32,12 +33,13 @@ def _cli(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """{schedule: (summary, stdout, out folder)} for four real runs."""
+    folders = {name: tmp_path_factory.mktemp(name) for name in SCHEDULES}
+    procs = run_train_all(*[["--schedule", name, "-p", "2", "-m", "4", "--steps", "2", "--out",
+                             str(folders[name])] for name in SCHEDULES])  # side by side
     out = {}
-    for name in SCHEDULES:
-        folder = tmp_path_factory.mktemp(name)
-        proc = _cli("train", "--schedule", name, "-p", "2", "-m", "4", "--steps", "2",
-                    "--out", str(folder))
+    for name, proc in zip(SCHEDULES, procs):
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        folder = folders[name]
         out[name] = (json.loads((folder / "summary.json").read_text()), proc.stdout, folder)
     return out
 

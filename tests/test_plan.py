@@ -165,8 +165,22 @@ def test_a_schedule_file_is_planned_as_it_is_written(tmp_path):
 
 
 def cli(*args):
-    return subprocess.run([sys.executable, "-m", "megatron_pp_ext", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+    return cli_all(list(args))[0]
+
+
+def cli_all(*commands):
+    """Several CLI commands side by side (each mostly imports Megatron's parser on one core),
+    their results in order."""
+    procs = [subprocess.Popen([sys.executable, "-m", "megatron_pp_ext", *args], cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for args in commands]
+    try:
+        outputs = [proc.communicate(timeout=300) for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+    return [subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+            for proc, (out, err) in zip(procs, outputs)]
 
 
 def test_cli_plan_prints_the_plan_and_writes_the_timeline(tmp_path):
@@ -192,16 +206,17 @@ def test_cli_plan_prints_the_plan_and_writes_the_timeline(tmp_path):
 
 
 def test_cli_plan_with_costs_in_seconds_and_errors():
-    result = cli("plan", "--schedule", "1f1b", "--t-f", "0.01", "--t-b", "0.02", "--",
-                 "torchrun", "--nproc-per-node", "8", "pretrain_gpt.py",
-                 *replaced(PRETRAIN_ARGS, "--num-virtual-stages-per-pipeline-rank", None))
+    result, bad = cli_all(
+        ["plan", "--schedule", "1f1b", "--t-f", "0.01", "--t-b", "0.02", "--", "torchrun",
+         "--nproc-per-node", "8", "pretrain_gpt.py",
+         *replaced(PRETRAIN_ARGS, "--num-virtual-stages-per-pipeline-rank", None)],
+        ["plan", "--schedule", "zb-v", "--world-size", "64", "--",
+         *replaced(PRETRAIN_ARGS, "--num-layers", "30")])
     assert result.returncode == 0, result.stderr
     # m = 512 / (2 x 1) = 256 on 8 GPUs (dp 1): 1F1B's step is (m + p - 1) x 30 ms
     assert "predicted step: 7770 ms" in result.stdout
     assert "given costs in seconds" in result.stdout
 
-    bad = cli("plan", "--schedule", "zb-v", "--world-size", "64", "--",
-              *replaced(PRETRAIN_ARGS, "--num-layers", "30"))
     assert bad.returncode == 2 and bad.stdout == ""
     lines = bad.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: --pipeline-schedule zb-v with p=4")

@@ -18,7 +18,7 @@ from megatron_pp_ext.schedules import build_schedule
 from megatron_pp_ext.train.launcher import detect, slurm_master_port
 from megatron_pp_ext.train.progress import Progress, format_step
 from megatron_pp_ext.train.settings import TrainSettings
-from support.train_cli import LAUNCHER_ENV, run_train
+from support.train_cli import LAUNCHER_ENV, run_train, run_train_all
 
 REPO = Path(__file__).resolve().parents[1]
 PEER_CSV = REPO / "tests" / "data" / "torch_zb1p_2rank_2stagep_compute.csv"  # p=2, m=8, v=2
@@ -61,36 +61,33 @@ def _assert_no_megatron_warnings(proc) -> None:
 
 
 def test_train_1f1b_and_zb_v(tmp_path):
-    """Real runs (about 15 s each, mostly importing Megatron in the ranks)."""
-    out = tmp_path / "1f1b"
-    proc = run_train("--schedule", "1f1b", "--pp", "2", "--microbatches", "4", "--steps", "3",
-                  "--out", str(out))
-    summary = _check_run(out, proc, "1f1b", 1, 3)
-    assert summary["peak_activations"] == [2, 1]  # 1F1B: p - r
-    assert "hint:" not in proc.stderr  # p <= m
-
+    """Real runs, four side by side (each mostly imports Megatron in its ranks)."""
     # a schedule file: zb-v exported with the IR's writer; -p, -m and the V layout from it
     csv = tmp_path / "my_zbv.csv"
     csv.write_text(build_schedule("zb-v", 2, 4).to_csv())
-    out = tmp_path / "csv"
-    proc = run_train("--schedule", str(csv), "--steps", "3", "--out", str(out))
-    from_file = _check_run(out, proc, str(csv), 2, 3)
+    sizes = ["--pp", "2", "--microbatches", "4", "--steps", "3"]
+    runs = run_train_all(["--schedule", "1f1b", *sizes, "--out", str(tmp_path / "1f1b")],
+                         ["--schedule", str(csv), "--steps", "3", "--out", str(tmp_path / "csv")],
+                         ["--schedule", "zb-v", *sizes, "--out", str(tmp_path / "zb-v")],
+                         ["--schedule", "auto", *sizes, "--out", str(tmp_path / "auto")])
+    proc = runs[0]
+    summary = _check_run(tmp_path / "1f1b", proc, "1f1b", 1, 3)
+    assert summary["peak_activations"] == [2, 1]  # 1F1B: p - r
+    assert "hint:" not in proc.stderr  # p <= m
+
+    proc = runs[1]
+    from_file = _check_run(tmp_path / "csv", proc, str(csv), 2, 3)
     assert (from_file["microbatches"], from_file["layout"]) == (4, "v")
     assert "with " + str(csv) in proc.stdout and "schedule my_zbv, p=2" in proc.stdout
     assert from_file["losses"] == pytest.approx(summary["losses"], rel=1e-4)
 
-    out = tmp_path / "zb-v"
-    proc = run_train("--schedule", "zb-v", "--pp", "2", "--microbatches", "4", "--steps", "3",
-                  "--out", str(out))
-    zbv = _check_run(out, proc, "zb-v", 2, 3)
+    zbv = _check_run(tmp_path / "zb-v", runs[2], "zb-v", 2, 3)
     assert zbv["layout"] == "v"
     # same model, same data, same optimizer: every schedule computes the same losses
     assert zbv["losses"] == pytest.approx(summary["losses"], rel=1e-4)
 
-    out = tmp_path / "auto"
-    proc = run_train("--schedule", "auto", "--pp", "2", "--microbatches", "4", "--steps", "3",
-                  "--out", str(out))
-    auto = _check_run(out, proc, "auto", 1, 3)
+    proc = runs[3]
+    auto = _check_run(tmp_path / "auto", proc, "auto", 1, 3)
     assert auto["auto_choice"] in ("gpipe", "1f1b", "zb-h1", "zb-h2")
     said = [line for line in proc.stdout.splitlines() if line.startswith("auto: chose ")]
     assert len(said) == 1 and auto["auto_choice"] in said[0] and "faster" in said[0]
@@ -199,17 +196,20 @@ def test_megatron_warnings_fire_and_are_hidden():
     warns at WARNING (a rampup_batch_size deprecation): without the hiding both reach stderr;
     with it neither does, while a warning from the plugin's own modules still shows, and a
     PYTHONWARNINGS of the user's own turns the hiding off."""
-    def run(mode, **env):
-        environ = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
-        environ.update(env)
-        return subprocess.run([sys.executable, "-c", _WARN_AND_LOG, mode], cwd=REPO,
-                              env=environ, capture_output=True, text=True, timeout=120)
-
-    shown = run("show")
+    environ = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
+    procs = [subprocess.Popen([sys.executable, "-c", _WARN_AND_LOG, mode], cwd=REPO,
+                              env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for mode in ("show", "hide")]  # side by side
+    try:
+        outputs = [proc.communicate(timeout=120) for proc in procs]
+        shown, hidden = [subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+                         for proc, (out, err) in zip(procs, outputs)]
+    finally:
+        for proc in procs:
+            proc.kill()
     assert shown.returncode == 0, shown.stderr[-3000:]
     assert "UserWarning: Transformer Engine and Apex are not installed" in shown.stderr
     assert "rampup_batch_size is deprecated" in shown.stderr
-    hidden = run("hide")
     assert hidden.returncode == 0, hidden.stderr[-3000:]
     assert "Apex" not in hidden.stderr and "rampup_batch_size" not in hidden.stderr
     assert "the plugin still speaks" in hidden.stderr

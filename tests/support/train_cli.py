@@ -20,3 +20,23 @@ def clean_env() -> dict:
 def run_train(*args: str, timeout: float = 150) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "megatron_pp_ext", "train", *args], cwd=REPO,
                           env=clean_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def run_train_all(*commands: list[str], timeout: float = 240) -> list[subprocess.CompletedProcess]:
+    """Several ``train`` commands started at once (each spends most of its time importing
+    Megatron on one core: side by side they use both), their results in order. A command
+    still running after ``timeout`` seconds is killed and raises ``TimeoutExpired``."""
+    procs = [subprocess.Popen([sys.executable, "-m", "megatron_pp_ext", "train", *args],
+                              cwd=REPO, env=clean_env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for args in commands]
+    results = []
+    try:
+        for args, proc in zip(commands, procs):
+            out, err = proc.communicate(timeout=timeout)
+            results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    return results
