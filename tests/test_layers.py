@@ -145,3 +145,24 @@ def test_the_walk_sees_function_level_and_relative_imports(tmp_path):
     assert list(_imports(source, "analysis.probe", False, True)) == [("runtime.executor", 2)]
     assert _layer("runtime.executor") > _layer("analysis.probe")
     assert _layer("") == ROOT_LAYER
+
+
+def test_the_commands_that_only_predict_load_no_torch():
+    """simulate, select and compare draw and rank schedules from the IR alone: their start-up
+    loads neither torch nor Megatron (`plan` and `select -- ARGS` read Megatron's parser, and
+    load it then, inside the command)."""
+    import subprocess
+    import sys
+
+    code = ("import contextlib, io, sys\n"
+            "from megatron_pp_ext.cli import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()):\n"
+            "    main(['simulate', '--schedule', 'zb-v', '-p', '2', '-m', '4'])\n"
+            "    main(['select', '-p', '2', '-m', '4', '--memory-budget', '1GiB',\n"
+            "          '--activation', '1MiB'])\n"
+            "    main(['compare', '-p', '2', '-m', '4'])\n"
+            "loaded = [m for m in ('torch', 'megatron') if m in sys.modules]\n"
+            "assert not loaded, loaded\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]

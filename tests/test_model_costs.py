@@ -13,8 +13,8 @@ from megatron.training.training import num_floating_point_operations
 from megatron_pp_ext.integration.model_shape import model_shape
 from megatron_pp_ext.integration.pretrain_args import parse_pretrain_args
 from megatron_pp_ext.integration.pretrain_plan import plan_pretrain
-from megatron_pp_ext.integration.stage_flops import (GPUS, stage_flops, stage_seconds,
-                                                     step_flops)
+from megatron_pp_ext.integration.gpus import GPUS
+from megatron_pp_ext.integration.stage_flops import stage_flops, stage_seconds, step_flops
 from megatron_pp_ext.integration.stage_layers import stage_layers
 from megatron_pp_ext.integration.static_memory import bytes_per_param, stage_params
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from megatron_pp_ext.train.settings import TrainSettings
-from support.train_cli import run_train
+from support.train_cli import run_train_all
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -19,13 +19,15 @@ def test_2bw_and_pipedream_train_the_tiny_gpt(tmp_path):
     """2BW's first batch runs on the initial weights on every stage, exactly as 1F1B's first
     step: the same loss. PipeDream stashes p - r versions on rank r; 2BW 2."""
     runs = {}
-    for name, extra in (("1f1b", ["--steps", "1", "--no-trace"]),
-                        ("pipedream-2bw", ["--steps", "3"]),
-                        ("pipedream", ["--steps", "3"]),
-                        ("pipedream-vs", ["--steps", "3", "--vertical-sync", "--no-trace"])):
+    commands = (("1f1b", ["--steps", "1", "--no-trace"]),
+                ("pipedream-2bw", ["--steps", "3"]),
+                ("pipedream", ["--steps", "3"]),
+                ("pipedream-vs", ["--steps", "3", "--vertical-sync", "--no-trace"]))
+    procs = run_train_all(*[["--schedule", name.replace("-vs", ""), "-p", "2", "-m", "2",
+                             "--out", str(tmp_path / name), *extra]
+                            for name, extra in commands])  # side by side
+    for (name, _), proc in zip(commands, procs):
         out = tmp_path / name
-        proc = run_train("--schedule", name.replace("-vs", ""), "-p", "2", "-m", "2", "--out",
-                      str(out), *extra)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         for words in ("UserWarning", "FutureWarning", "Apex is not installed", "deprecated"):
             assert words not in proc.stdout + proc.stderr, words

@@ -23,7 +23,7 @@ from pathlib import Path
 from ..analysis.render import render_html
 from ..analysis.simulate import CostModel, simulate
 from ..analysis.select import parse_size
-from ..integration.stage_flops import DEFAULT_EFFICIENCY, GPUS
+from ..integration.gpus import DEFAULT_EFFICIENCY, GPUS
 from .common import add_cost_args, costs_from_args
 
 UNITS = ("s", "t")

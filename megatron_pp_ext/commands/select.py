@@ -10,7 +10,7 @@ from ..analysis.costs import ACTIVATION_UNIT, format_counts, format_time
 from ..analysis.select import MiB, Selection, format_bytes, parse_size, select_schedules
 from ..schedules import schedule_names
 from .hints import warn_p_exceeds_m
-from ..integration.stage_flops import DEFAULT_EFFICIENCY, GPUS
+from ..integration.gpus import DEFAULT_EFFICIENCY, GPUS
 from ..units import human_bytes
 from .common import COSTS_HELP, add_cost_args, add_size_args, costs_from_args, describe_costs
 

@@ -33,7 +33,8 @@ from .plan_report import report as plan_report
 from .model_shape import model_shape
 from .pretrain_args import (Sizes, derive_sizes, parse_pretrain_args, required_arg,
                             split_launcher)
-from .stage_flops import DEFAULT_EFFICIENCY, Gpu, gpu_named, per_stage_seconds
+from .gpus import DEFAULT_EFFICIENCY, Gpu, gpu_named
+from .stage_flops import per_stage_seconds
 from .stage_layers import StageLayers, stage_layers, uneven_flags
 from .static_memory import bytes_per_param, stage_params
 

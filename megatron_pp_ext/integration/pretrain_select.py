@@ -16,7 +16,7 @@ from typing import Sequence
 
 from ..schedules import candidates_by_layout
 from .pretrain_plan import PretrainPlan, plan_pretrain
-from .stage_flops import DEFAULT_EFFICIENCY
+from .gpus import DEFAULT_EFFICIENCY
 
 #: flags that set the virtual stages, each with its value (replaced per candidate)
 _VIRTUAL_FLAGS = ("--num-virtual-stages-per-pipeline-rank",

@@ -20,44 +20,13 @@ fp8 peak.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
-from .model_shape import ModelShape
-from .stage_layers import StageLayers
+from .gpus import Gpu
 
-TERA = 1e12
-
-
-@dataclass(frozen=True)
-class Gpu:
-    name: str
-    bf16_flops: float  # dense peak, FLOP/s
-    fp8_flops: float
-    memory_bytes: int  # the data sheet's capacity
-    source: str
-
-
-#: Dense (not sparse) tensor-core peaks and capacities from NVIDIA's data sheets (SXM parts).
-GPUS = {
-    "H100": Gpu("H100", 989 * TERA, 1979 * TERA, 80 * 10**9,
-                "NVIDIA H100 SXM data sheet: 989 TFLOPS bf16, 1979 TFLOPS fp8 dense, 80 GB"),
-    "H200": Gpu("H200", 989 * TERA, 1979 * TERA, 141 * 10**9,
-                "NVIDIA H200 SXM data sheet: 989 TFLOPS bf16, 1979 TFLOPS fp8 dense, 141 GB"),
-    "B200": Gpu("B200", 2250 * TERA, 4500 * TERA, 180 * 10**9,
-                "NVIDIA HGX B200 data sheet, per GPU: 2.25 PFLOPS bf16, 4.5 PFLOPS fp8 "
-                "dense, 180 GB"),
-}
-#: The share of the peak a well-tuned GPT step reaches (model FLOPs utilization); assumed.
-DEFAULT_EFFICIENCY = 0.5
-
-
-def gpu_named(name: str) -> Gpu:
-    key = str(name).upper()
-    if key not in GPUS:
-        raise ValueError(f"--gpu {name}: the plan knows {', '.join(GPUS)}; for another GPU "
-                         "give measured costs (--costs) or --t-f/--t-i/--t-w")
-    return GPUS[key]
-
+if TYPE_CHECKING:  # the shape's module reads Megatron's arguments: not loaded to price stages
+    from .model_shape import ModelShape
+    from .stage_layers import StageLayers
 
 @dataclass(frozen=True)
 class StageFlops:
@@ -73,7 +42,8 @@ class StageFlops:
         return self.f + self.i + self.w
 
 
-def stage_flops(shape: ModelShape, stage: StageLayers, recompute: str = "none") -> StageFlops:
+def stage_flops(shape: "ModelShape", stage: "StageLayers",
+                recompute: str = "none") -> StageFlops:
     """F, I, W FLOPs of one microbatch through ``stage`` on one of its tp x cp ranks."""
     gemm = core = 0.0
     for layer in stage.layer_ids:
@@ -96,7 +66,7 @@ def stage_flops(shape: ModelShape, stage: StageLayers, recompute: str = "none") 
     return StageFlops(f=forward, i=backward_input, w=gemm, gemm=gemm)
 
 
-def _layer_flops(shape: ModelShape, moe: bool) -> tuple[float, float]:
+def _layer_flops(shape: "ModelShape", moe: bool) -> tuple[float, float]:
     """(weight-GEMM FLOPs, core-attention FLOPs) of one layer's forward on one rank."""
     tokens, h, t = shape.tokens, shape.hidden, shape.tp
     q, kv = shape.query_size, shape.kv_size
@@ -127,7 +97,7 @@ def stage_seconds(flops: StageFlops, gpu: Gpu, efficiency: float, fp8: bool) -> 
             seconds(flops.w, flops.w))
 
 
-def per_stage_seconds(shape: ModelShape, stages: Sequence[StageLayers], recompute: str,
+def per_stage_seconds(shape: "ModelShape", stages: Sequence["StageLayers"], recompute: str,
                       gpu: Gpu, efficiency: float) -> dict[str, list[float]]:
     """``{"t_f": [...], "t_i": [...], "t_w": [...]}``, one number per stage, in seconds (what
     ``CostModel.for_stages`` takes)."""
@@ -141,7 +111,7 @@ def per_stage_seconds(shape: ModelShape, stages: Sequence[StageLayers], recomput
     return costs
 
 
-def step_flops(shape: ModelShape, stages: Sequence[StageLayers], num_microbatches: int,
+def step_flops(shape: "ModelShape", stages: Sequence["StageLayers"], num_microbatches: int,
                dp: int) -> float:
     """The whole step's FLOPs over every rank (no recompute), comparable with Megatron's
     ``num_floating_point_operations(args, global_batch)``."""
@@ -149,5 +119,4 @@ def step_flops(shape: ModelShape, stages: Sequence[StageLayers], num_microbatche
     return per_rank * shape.tp * shape.cp * num_microbatches * dp
 
 
-__all__ = ["DEFAULT_EFFICIENCY", "GPUS", "Gpu", "StageFlops", "gpu_named", "per_stage_seconds",
-           "stage_flops", "stage_seconds", "step_flops"]
+__all__ = ["StageFlops", "per_stage_seconds", "stage_flops", "stage_seconds", "step_flops"]
