@@ -34,6 +34,8 @@ _RANK_ONLY = "imported in a rank's process (torch, Megatron), not by the parent 
 DEFERRED: dict[tuple[str, str], str] = {
     ("commands.plan", "integration.pretrain_plan"):
         "Megatron-LM's argument parser (seconds to import): only `plan` reads it",
+    ("commands.simulate", "integration.pretrain_plan"):
+        "Megatron-LM's argument parser: only `simulate -- <pretrain_gpt.py args>` reads it",
     ("commands.select", "integration.pretrain_select"):
         "Megatron-LM's argument parser: only `select -- <pretrain_gpt.py args>` reads it",
     ("commands.train", "train.async_loop"): "torch and Megatron: only `train` runs them",

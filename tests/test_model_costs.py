@@ -292,3 +292,26 @@ def test_select_ranks_the_schedules_that_fit_a_70b_model(capsys):
     text = capsys.readouterr().out
     assert "1  zb-h1" in text and "2  1f1b" in text
     assert "excluded:\n  zb-v: --pipeline-schedule zb-v (V layout" in text
+
+
+def test_simulate_takes_the_model_and_its_uneven_stages(capsys):
+    """``simulate -- ARGS``: p, m, v and the stages from Megatron's arguments, each stage
+    priced from its FLOPs: the same prediction as ``plan``'s; -p with the arguments is
+    refused."""
+    import json
+
+    from megatron_pp_ext.cli import main
+
+    argv = LLAMA_70B + PP4 + ["--decoder-first-pipeline-num-layers", "9",
+                              "--decoder-last-pipeline-num-layers", "9"]
+    assert main(["simulate", "--schedule", "zb-h1", "--gpu", "H100", "--world-size", "128",
+                 "--format", "json", "--", *argv]) == 0
+    data = json.loads(capsys.readouterr().out)
+    plan = plan_pretrain(argv, schedule="zb-h1", world_size=128, gpu="H100")
+    assert (data["ranks"], data["microbatches"], data["unit"]) == (4, plan.m, "s")
+    assert data["makespan"] == pytest.approx(plan.timeline.makespan)
+    assert main(["simulate", "--schedule", "zb-h1", "--gpu", "H100", "--world-size", "128",
+                 "--", *argv]) == 0
+    assert "stages E+9t | 7t | 7t | 9t+L" in capsys.readouterr().out
+    assert main(["simulate", "--schedule", "zb-h1", "-p", "4", "--", *argv]) == 2
+    assert "p, m and v come from them" in capsys.readouterr().err

@@ -7,7 +7,9 @@ import argparse
 
 from ..analysis.costs import (MeasuredCosts, activations_in_v1_units, assume_split,
                               format_counts, load_costs)
+from ..analysis.select import parse_size
 from ..analysis.simulate import CostModel
+from ..integration.gpus import DEFAULT_EFFICIENCY, GPUS
 
 
 def cost_value(text: str) -> float | list[float]:
@@ -139,3 +141,38 @@ def peak_line(timeline) -> str:
     return (f"peak activations per rank: {list(timeline.peak_activations)} chunk-activations "
             f"(1/{v} of a rank's layers each) = {v1} in v=1 units (one microbatch, all of a "
             "rank's layers)")
+
+
+def add_megatron_args(parser, what: str) -> None:
+    """A Megatron-LM command line after ``--`` (``pretrain_gpt.py``'s arguments, optionally
+    behind its launcher) and what prices and holds it: ``--gpu``, ``--gpu-memory``,
+    ``--efficiency``, ``--world-size``; the same in plan, select and simulate."""
+    group = parser.add_argument_group("a Megatron-LM command line (after --)", what)
+    group.add_argument("--gpu", metavar="NAME", type=str.upper, choices=sorted(GPUS),
+                       help="price each stage's F, I, W from its FLOPs on this GPU ("
+                       + ", ".join(GPUS) + ": the data sheet's dense peak) at --efficiency, "
+                       "and hold each rank's bytes to its memory")
+    group.add_argument("--gpu-memory", type=_size, metavar="SIZE",
+                       help="each rank's memory, e.g. 80GiB (default: --gpu's)")
+    group.add_argument("--efficiency", type=float, default=DEFAULT_EFFICIENCY, metavar="E",
+                       help="share of the GPU's peak a step reaches, for --gpu (default "
+                       f"{DEFAULT_EFFICIENCY:g}, assumed)")
+    group.add_argument("--world-size", type=int, metavar="N",
+                       help="GPUs in the job (default: from a torchrun / srun launcher in front "
+                       "of the script, else tp x pp x cp, i.e. dp = 1)")
+    parser.add_argument("megatron_args", nargs=argparse.REMAINDER, metavar="-- ARGS",
+                        help="pretrain_gpt.py's arguments (optionally behind its launcher and "
+                        "script: torchrun ... pretrain_gpt.py ...)")
+
+
+def megatron_argv(args) -> list[str]:
+    """The Megatron-LM arguments given after ``--`` (empty when none)."""
+    argv = list(getattr(args, "megatron_args", None) or [])
+    return argv[1:] if argv and argv[0] == "--" else argv
+
+
+def _size(text: str) -> int:
+    try:
+        return int(parse_size(text))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None

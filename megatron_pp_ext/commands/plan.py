@@ -22,9 +22,7 @@ from pathlib import Path
 
 from ..analysis.render import render_html
 from ..analysis.simulate import CostModel, simulate
-from ..analysis.select import parse_size
-from ..integration.gpus import DEFAULT_EFFICIENCY, GPUS
-from .common import add_cost_args, costs_from_args
+from .common import add_cost_args, add_megatron_args, costs_from_args, megatron_argv
 
 UNITS = ("s", "t")
 
@@ -40,46 +38,29 @@ def register(subparsers) -> None:
                         help="the schedule to plan: a name, or a schedule file (.csv, .json) "
                         "(default: the arguments' --pipeline-schedule, else Megatron's own: "
                         "1f1b, or interleaved with virtual stages)")
-    parser.add_argument("--world-size", type=int, metavar="N",
-                        help="GPUs in the job (default: from a torchrun / srun launcher in "
-                        "front of the script, else tp x pp x cp, i.e. dp = 1)")
     add_cost_args(parser)
     parser.add_argument("--unit", choices=UNITS, default=None,
                         help="what --t-f, --t-i, --t-w, --t-b, --t-comm are in: s (seconds, the "
                         "default when any is given: the step is printed in ms) or t (cost "
                         "units); unit costs (none given) are t, --costs seconds")
-    parser.add_argument("--gpu", metavar="NAME", choices=sorted(GPUS) + [g.lower() for g in GPUS],
-                        help="price each stage's F, I, W from its FLOPs on this GPU ("
-                        + ", ".join(GPUS) + ": the data sheet's dense peak) at --efficiency, "
-                        "and hold each rank's bytes to its memory")
-    parser.add_argument("--efficiency", type=float, default=DEFAULT_EFFICIENCY, metavar="E",
-                        help="share of the GPU's peak a step reaches, for --gpu (default "
-                        f"{DEFAULT_EFFICIENCY:g}, assumed)")
-    parser.add_argument("--gpu-memory", metavar="SIZE",
-                        help="each rank's memory, e.g. 80GiB (default: --gpu's); the plan says "
-                        "for every rank whether its total fits and by how much")
     parser.add_argument("--out", metavar="FILE", help="write the predicted timeline (HTML) there")
     parser.add_argument("--format", choices=("text", "json"), default="text")
-    parser.add_argument("megatron_args", nargs=argparse.REMAINDER, metavar="-- ARGS",
-                        help="pretrain_gpt.py's arguments (optionally behind its launcher and "
-                        "script: torchrun ... pretrain_gpt.py ...)")
+    add_megatron_args(parser, "the command line to plan; --gpu prices its stages and holds "
+                      "its ranks to the GPU's memory")
     parser.set_defaults(func=run)
 
 
 def run(args) -> int:
     from ..integration.pretrain_plan import plan_pretrain, plan_report
 
-    argv = list(args.megatron_args)
-    if argv and argv[0] == "--":
-        argv = argv[1:]
+    argv = megatron_argv(args)
     if not argv:
         raise ValueError("give pretrain_gpt.py's arguments after '--', e.g. plan --schedule "
                          "zb-v -- --pipeline-model-parallel-size 4 --num-layers 32 ...")
     if args.world_size is not None and args.world_size < 1:
         raise ValueError(f"--world-size {args.world_size} must be >= 1")
-    memory = None if args.gpu_memory is None else int(parse_size(args.gpu_memory))
     plan = plan_pretrain(argv, schedule=args.schedule, world_size=args.world_size,
-                         gpu=args.gpu, gpu_memory=memory, efficiency=args.efficiency)
+                         gpu=args.gpu, gpu_memory=args.gpu_memory, efficiency=args.efficiency)
 
     # the costs, checked against the plan's p (a measured rank's share holds for that p only)
     given = any(getattr(args, k) is not None for k in ("t_f", "t_i", "t_w", "t_b", "t_comm",

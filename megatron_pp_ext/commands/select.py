@@ -10,9 +10,9 @@ from ..analysis.costs import ACTIVATION_UNIT, format_counts, format_time
 from ..analysis.select import MiB, Selection, format_bytes, parse_size, select_schedules
 from ..schedules import schedule_names
 from .hints import warn_p_exceeds_m
-from ..integration.gpus import DEFAULT_EFFICIENCY, GPUS
 from ..units import human_bytes
-from .common import COSTS_HELP, add_cost_args, add_size_args, costs_from_args, describe_costs
+from .common import (COSTS_HELP, add_cost_args, add_megatron_args, add_size_args,
+                     costs_from_args, describe_costs, megatron_argv)
 
 FORMATS = ("text", "json")
 
@@ -60,21 +60,8 @@ def register(subparsers) -> None:
     parser.add_argument("--chunks-options", type=int_list, default=(2, 3, 4), metavar="V,...",
                         help="interleaved chunk counts to try (default 2,3,4)")
     parser.add_argument("--format", choices=FORMATS, default="text")
-    megatron = parser.add_argument_group(
-        "a Megatron-LM command line (after --): each candidate planned on its model, layout "
-        "and GPU (as plan does), ranked among those whose every rank fits in memory")
-    megatron.add_argument("--gpu", metavar="NAME", type=str.upper, choices=sorted(GPUS),
-                          help="the GPU whose peak prices each stage's FLOPs and whose memory "
-                          "each rank's weights, optimizer state and activations must fit")
-    megatron.add_argument("--gpu-memory", type=_size, metavar="SIZE",
-                          help="each rank's memory (default: --gpu's)")
-    megatron.add_argument("--efficiency", type=float, default=DEFAULT_EFFICIENCY, metavar="E",
-                          help=f"share of the GPU's peak a step reaches (default "
-                          f"{DEFAULT_EFFICIENCY:g}, assumed)")
-    megatron.add_argument("--world-size", type=int, metavar="N",
-                          help="GPUs in the job (default: the launcher's, else dp = 1)")
-    parser.add_argument("megatron_args", nargs=argparse.REMAINDER, metavar="-- ARGS",
-                        help="pretrain_gpt.py's arguments (optionally behind its launcher)")
+    add_megatron_args(parser, "each candidate planned on its model, layout and GPU (as plan "
+                      "does), ranked among those whose every rank fits in memory")
     parser.set_defaults(func=run)
 
 
@@ -82,9 +69,7 @@ def run(args) -> int:
     candidates = None
     if args.schedules:
         candidates = [name.strip() for name in args.schedules.split(",") if name.strip()]
-    argv = list(args.megatron_args or [])
-    if argv and argv[0] == "--":
-        argv = argv[1:]
+    argv = megatron_argv(args)
     if argv:
         return run_pretrain(args, argv, candidates)
     costs, unit, measured = costs_from_args(args)
@@ -189,8 +174,7 @@ def run_pretrain(args, argv: list[str], candidates) -> int:
     from ..integration.pretrain_select import select_pretrain
 
     selection = select_pretrain(argv, gpu=args.gpu, world_size=args.world_size,
-                                gpu_memory=None if args.gpu_memory is None
-                                else int(args.gpu_memory),
+                                gpu_memory=args.gpu_memory,
                                 efficiency=args.efficiency, candidates=candidates)
     if args.format == "json":
         data = {"ranked": [_plan_row(plan) for plan in selection.ranked],

@@ -14,8 +14,9 @@ from ..analysis.user_program import load  # compute-only, or with its own P2P ba
 from ..ir import Schedule
 from ..schedules import build_schedule, is_async_schedule, schedule_names
 from ..schedules.validate import CHANNELS, validate_schedule
-from .common import (COSTS_HELP, add_cost_args, add_size_args, costs_from_args, describe_costs,
-                     peak_line)
+from ..integration.stage_layers import describe
+from .common import (COSTS_HELP, add_cost_args, add_megatron_args, add_size_args,
+                     costs_from_args, describe_costs, megatron_argv, peak_line)
 from .hints import warn_p_exceeds_m
 
 FORMATS = ("ascii", "json", "html", "chrome")
@@ -58,6 +59,9 @@ def register(subparsers) -> None:
                         "producer ends, + t_comm; default) or nccl (the program the executor "
                         "posts on NCCL, timed under NCCL's rules: rendezvous sends, one "
                         "stream of batches per rank; its batches are drawn as p2p rows)")
+    add_megatron_args(parser, "simulate the schedule on this model: p, m, v and every stage's "
+                      "layers from the arguments (as plan reads them), each stage priced from "
+                      "its FLOPs with --gpu")
     parser.set_defaults(func=run)
 
 
@@ -106,6 +110,9 @@ def nccl_program_text(schedule: Schedule) -> str:
 
 
 def run(args) -> int:
+    argv = megatron_argv(args)
+    if argv:
+        return _run_planned(args, argv)
     measured = None
     if not args.nccl_program:
         costs, unit, measured = costs_from_args(args)  # fills -p / -m from --costs
@@ -119,10 +126,45 @@ def run(args) -> int:
     if measured is not None and schedule.num_ranks != measured.num_ranks:
         raise ValueError(f"{args.costs} has costs of {measured.num_ranks} pipeline ranks; "
                          f"the schedule has {schedule.num_ranks}")
+    notes = describe_costs(costs, unit, measured, args.assume_split) if measured else None
+    return _show(args, schedule, costs, unit, notes)
+
+
+def _run_planned(args, argv: list[str]) -> int:
+    """``simulate -- ARGS``: the schedule on the model Megatron-LM's arguments describe (p, m,
+    v, every stage's layers), priced per stage from its FLOPs with ``--gpu``, unless cost
+    flags or ``--costs`` are given."""
+    from ..integration.pretrain_plan import plan_pretrain  # Megatron-LM's parser: seconds
+
+    if args.csv or args.ranks or args.microbatches or args.chunks or args.nccl_program:
+        raise ValueError("with Megatron-LM's arguments after --, p, m and v come from them: "
+                         "drop -p / -m / -v / --csv / --nccl-program (give --schedule NAME or "
+                         "a schedule file)")
+    plan = plan_pretrain(argv, schedule=args.schedule, world_size=args.world_size,
+                         gpu=args.gpu, gpu_memory=args.gpu_memory, efficiency=args.efficiency)
+    args.ranks, args.microbatches = plan.pp, plan.m
+    given = args.costs or any(getattr(args, k) is not None for k in (
+        "t_f", "t_i", "t_w", "t_b", "t_comm", "t_overhead"))
+    measured, unit = None, "t"
+    if given:
+        costs, unit, measured = costs_from_args(args)
+    elif plan.stage_costs:
+        costs, unit = CostModel.for_stages(**plan.stage_costs), "s"
+    else:
+        costs = CostModel()
+    what = plan.costs_text if plan.stage_costs and not given else (
+        describe_costs(costs, unit, measured, args.assume_split) if measured else
+        "given costs" if given else "unit costs (give --gpu NAME to price each stage)")
+    notes = (f"{plan.name}: p={plan.pp}, m={plan.m}, v={plan.v} from Megatron-LM's arguments; "
+             f"stages {describe(plan.stages)}; {what}")
+    return _show(args, plan.schedule, costs, unit, notes)
+
+
+def _show(args, schedule: Schedule, costs: CostModel, unit: str, notes: str | None) -> int:
+    """The timeline in the chosen format (``notes``: a few lines said before it)."""
     timeline = simulate(schedule, costs, channels=args.channels,  # validates first
                         communication=args.communication)
     timeline.unit = unit
-    notes = describe_costs(costs, unit, measured, args.assume_split) if measured else None
     if args.format == "ascii":
         text = render_ascii(timeline, width=args.width)
         if timeline.chunks > 1:  # the renderer's peaks count chunk-activations
