@@ -315,3 +315,18 @@ def test_simulate_takes_the_model_and_its_uneven_stages(capsys):
     assert "stages E+9t | 7t | 7t | 9t+L" in capsys.readouterr().out
     assert main(["simulate", "--schedule", "zb-h1", "-p", "4", "--", *argv]) == 2
     assert "p, m and v come from them" in capsys.readouterr().err
+
+
+def test_compare_draws_every_schedule_on_the_model(capsys, tmp_path):
+    """``compare -- ARGS``: the candidates side by side on the model (the one that does not
+    fit too, marked), every timeline on one page."""
+    from megatron_pp_ext.cli import main
+
+    page = tmp_path / "compare.html"
+    assert main(["compare", "--gpu", "H100", "--world-size", "512", "--schedules",
+                 "1f1b,zb-v,gpipe", "--out", str(page), "--", *LLAMA_70B,
+                 "--use-distributed-optimizer"]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split()[:3] for line in out.splitlines() if line[:2] in ("1 ", "2 ", "- ")]
+    assert rows == [["1", "zb-v", "2"], ["2", "1f1b", "1"], ["-", "gpipe", "1"]]
+    assert page.read_text().count("<svg") == 3

@@ -19,7 +19,8 @@ from ..analysis.render import render_html
 from ..analysis.select import MiB, format_bytes, select_schedules
 from ..schedules import REGISTRY, get_spec, schedule_names
 from .hints import warn_p_exceeds_m
-from .common import COSTS_HELP, add_cost_args, add_size_args, costs_from_args, describe_costs
+from .common import (COSTS_HELP, add_cost_args, add_megatron_args, add_size_args,
+                     costs_from_args, describe_costs, megatron_argv)
 
 FORMATS = ("text", "json")
 
@@ -44,6 +45,8 @@ def register(subparsers) -> None:
     parser.add_argument("--out", metavar="FILE",
                         help="write one HTML page with every schedule's timeline there")
     parser.add_argument("--format", choices=FORMATS, default="text")
+    add_megatron_args(parser, "every schedule planned on this model, layout and GPU (as plan "
+                      "does) side by side, with each rank's bytes against the GPU's memory")
     parser.set_defaults(func=run)
 
 
@@ -62,6 +65,9 @@ def candidates(args) -> list[tuple[str, int]]:
 
 
 def run(args) -> int:
+    argv = megatron_argv(args)
+    if argv:
+        return _run_pretrain(args, argv)
     costs, unit, measured = costs_from_args(args)
     p, m = _check_sizes(args)
     activation = (args.activation_mb or 0.0) * MiB
@@ -97,6 +103,29 @@ def run(args) -> int:
                 print(f"  {e.name} (v={e.chunks}): {e.reason}")
     if args.out:
         _write_html(args, p, m, costs, unit, measured, timelines)
+    return 0
+
+
+def _run_pretrain(args, argv: list[str]) -> int:
+    """``compare -- <pretrain_gpt.py args>``: every schedule planned on the model, the table
+    ``select`` prints (those that do not fit included), ``--out``: every timeline."""
+    from ..integration.pretrain_select import select_pretrain, selection_dict, selection_report
+
+    names = [n.strip() for n in args.schedules.split(",") if n.strip()] if args.schedules \
+        else None
+    selection = select_pretrain(argv, gpu=args.gpu, world_size=args.world_size,
+                                gpu_memory=args.gpu_memory, efficiency=args.efficiency,
+                                candidates=names)
+    text = (json.dumps(selection_dict(selection), indent=1) if args.format == "json" else
+            selection_report(selection))
+    print(text)
+    plans = selection.ranked + selection.too_big
+    if args.out and plans:
+        title = (f"p={plans[0].p}, m={plans[0].m}: every schedule on the model, each stage "
+                 f"from its FLOPs on the {plans[0].gpu.name} (seconds)")
+        Path(args.out).write_text(render_html([plan.timeline for plan in plans], title=title)
+                                  + "\n")
+        print(f"wrote {args.out}", file=sys.stdout if args.format == "text" else sys.stderr)
     return 0
 
 

@@ -10,7 +10,6 @@ from ..analysis.costs import ACTIVATION_UNIT, format_counts, format_time
 from ..analysis.select import MiB, Selection, format_bytes, parse_size, select_schedules
 from ..schedules import schedule_names
 from .hints import warn_p_exceeds_m
-from ..units import human_bytes
 from .common import (COSTS_HELP, add_cost_args, add_megatron_args, add_size_args,
                      costs_from_args, describe_costs, megatron_argv)
 
@@ -171,52 +170,12 @@ def render_text(selection: Selection, unit: str = "t", activation_from: str = "g
 def run_pretrain(args, argv: list[str], candidates) -> int:
     """``select -- <pretrain_gpt.py args>``: every candidate planned on the model (see
     ``integration.pretrain_select``)."""
-    from ..integration.pretrain_select import select_pretrain
+    from ..integration.pretrain_select import select_pretrain, selection_dict, selection_report
 
     selection = select_pretrain(argv, gpu=args.gpu, world_size=args.world_size,
-                                gpu_memory=args.gpu_memory,
-                                efficiency=args.efficiency, candidates=candidates)
-    if args.format == "json":
-        data = {"ranked": [_plan_row(plan) for plan in selection.ranked],
-                "too_big": [_plan_row(plan) for plan in selection.too_big],
-                "excluded": [{"schedule": n, "reason": why} for n, why in selection.excluded]}
-        sys.stdout.write(json.dumps(data, indent=1) + "\n")
-        return 0
-    plans = selection.ranked + selection.too_big
-    first = plans[0] if plans else None
-    lines = []
-    if first is not None:
-        budget = first.memory[0].budget
-        lines.append(f"p={first.p} m={first.m} (tp {first.tp}, dp {first.dp}); each stage "
-                     f"priced from its FLOPs at {first.efficiency:g} of the {first.gpu.name}'s "
-                     f"peak; budget {human_bytes(budget)} per rank (weights, gradients, "
-                     "optimizer state and activations)")
-        lines.append("")
-    header = ("#", "schedule", "v", "step", "vs best", "bubble", "most bytes on a rank",
-              "fits")
-    best = selection.best.timeline.makespan if selection.best else None
-    rows = [(str(i + 1) if i < len(selection.ranked) else "-", plan.name, str(plan.v),
-             f"{plan.timeline.makespan * 1e3:.5g} ms",
-             f"{plan.timeline.makespan / best:.3f}" if best else "-",
-             f"{100 * plan.timeline.bubble_fraction:.1f}%",
-             human_bytes(max(rank.total for rank in plan.memory)),
-             "yes" if i < len(selection.ranked) else "no")
-            for i, plan in enumerate(plans)]
-    widths = [max(len(h), *(len(row[c]) for row in rows)) if rows else len(h)
-              for c, h in enumerate(header)]
-    lines.append("  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip())
-    lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
-    if not selection.ranked:
-        lines.append("no schedule fits: see `plan` for each rank's bytes")
-    if selection.excluded:
-        lines += ["", "excluded:"] + [f"  {name}: {why}" for name, why in selection.excluded]
-    sys.stdout.write("\n".join(lines) + "\n")
+                                gpu_memory=args.gpu_memory, efficiency=args.efficiency,
+                                candidates=candidates)
+    text = (json.dumps(selection_dict(selection), indent=1) if args.format == "json" else
+            selection_report(selection))
+    sys.stdout.write(text + "\n")
     return 0
-
-
-def _plan_row(plan) -> dict:
-    return {"schedule": plan.name, "v": plan.v, "predicted_step_s": plan.timeline.makespan,
-            "bubble_fraction": plan.timeline.bubble_fraction,
-            "total_bytes": [rank.total for rank in plan.memory],
-            "fits": [rank.fits for rank in plan.memory],
-            "stages": [stage.describe() for stage in plan.stages]}

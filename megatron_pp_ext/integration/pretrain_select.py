@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from ..schedules import candidates_by_layout
+from ..units import human_bytes
 from .pretrain_plan import PretrainPlan, plan_pretrain
 from .gpus import DEFAULT_EFFICIENCY
 
@@ -92,4 +93,48 @@ def _with_chunks(argv: list[str], chunks: int | None) -> list[str]:
     return out + (["--num-virtual-stages-per-pipeline-rank", str(chunks)] if chunks > 1 else [])
 
 
-__all__ = ["PretrainSelection", "select_pretrain"]
+def selection_report(selection: PretrainSelection) -> str:
+    """The candidates as a table: ranked (fastest first) then those that do not fit, then the
+    excluded ones with their reasons."""
+    plans = selection.ranked + selection.too_big
+    lines = []
+    if plans:
+        first = plans[0]
+        lines += [f"p={first.p} m={first.m} (tp {first.tp}, dp {first.dp}); each stage priced "
+                  f"from its FLOPs at {first.efficiency:g} of the {first.gpu.name}'s peak; "
+                  f"budget {human_bytes(first.memory[0].budget)} per rank (weights, "
+                  "gradients, optimizer state and activations)", ""]
+    header = ("#", "schedule", "v", "step", "vs best", "bubble", "most bytes on a rank",
+              "fits")
+    best = selection.best.timeline.makespan if selection.best else None
+    fitting = len(selection.ranked)
+    rows = [(str(i + 1) if i < fitting else "-", plan.name, str(plan.v),
+             f"{plan.timeline.makespan * 1e3:.5g} ms",
+             f"{plan.timeline.makespan / best:.3f}" if best else "-",
+             f"{100 * plan.timeline.bubble_fraction:.1f}%",
+             human_bytes(max(rank.total for rank in plan.memory)),
+             "yes" if i < fitting else "no") for i, plan in enumerate(plans)]
+    widths = [max([len(h)] + [len(row[c]) for row in rows]) for c, h in enumerate(header)]
+    lines.append("  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip())
+    lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    if not selection.ranked:
+        lines.append("no schedule fits: see `plan` for each rank's bytes")
+    if selection.excluded:
+        lines += ["", "excluded:"] + [f"  {name}: {why}" for name, why in selection.excluded]
+    return "\n".join(lines)
+
+
+def selection_dict(selection: PretrainSelection) -> dict:
+    def row(plan: PretrainPlan) -> dict:
+        return {"schedule": plan.name, "v": plan.v, "predicted_step_s": plan.timeline.makespan,
+                "bubble_fraction": plan.timeline.bubble_fraction,
+                "total_bytes": [rank.total for rank in plan.memory],
+                "fits": [rank.fits for rank in plan.memory],
+                "stages": [stage.describe() for stage in plan.stages]}
+
+    return {"ranked": [row(plan) for plan in selection.ranked],
+            "too_big": [row(plan) for plan in selection.too_big],
+            "excluded": [{"schedule": n, "reason": why} for n, why in selection.excluded]}
+
+
+__all__ = ["PretrainSelection", "select_pretrain", "selection_dict", "selection_report"]
