@@ -6,13 +6,15 @@ run under a schedule, checked before any job starts.
     print(plan_report(plan))
 
 The arguments are read as Megatron reads them (``pretrain_args``: its parser, the world size,
-dp and m). v = ``--num-virtual-stages-per-pipeline-rank``, or num_layers / pp /
-``--num-layers-per-virtual-pipeline-stage`` (``megatron_args._model_chunks``), and the schedule
-is checked against it by ``megatron_args.schedule_options_from_args`` (the check
-``install_from_args`` makes at run time), then the layers against the stages (an even split).
-Activation bytes per rank: ``activation_model`` (per layer and stage) x the simulator's peak
-count of microbatch activations alive at once on the rank (``validate.activation_trace``: F
-to B, or to W under a split backward). The report: ``plan_report``.
+dp and m). v = ``--num-virtual-stages-per-pipeline-rank``, num_layers / pp /
+``--num-layers-per-virtual-pipeline-stage``, or the stages of a layout string
+(``megatron_args._model_chunks``), and the schedule is checked against it by
+``megatron_args.schedule_options_from_args`` (the check ``install_from_args`` makes at run
+time); the layers of every stage are Megatron's split (``stage_layers``). Per stage:
+activation bytes (``activation_model``), F, I, W from FLOPs on a named GPU (``stage_flops``),
+parameters (``static_memory``). Per rank: the stages' activation bytes walked through the
+schedule (``runtime.memory.predicted_peak_bytes``), plus its stages' static bytes, against the
+GPU's memory. The report: ``plan_report``; every schedule on one model: ``pretrain_select``.
 """
 
 from __future__ import annotations
@@ -24,16 +26,16 @@ from ..analysis.simulate import CostModel, simulate
 from ..ir import Schedule
 from ..schedules import REGISTRY, build_schedule, is_schedule_file, load_schedule_file
 from ..schedules import schedule_layout
+from ..runtime.memory import predicted_peak_bytes
 from ..schedules.validate import peak_activations
 from ..timeline import Timeline
-from ..runtime.memory import predicted_peak_bytes
 from .activation_model import ActivationEstimate, activation_estimate
+from .gpus import DEFAULT_EFFICIENCY, Gpu, gpu_named
 from .megatron_args import _model_chunks, schedule_options_from_args
-from .plan_report import report as plan_report
 from .model_shape import model_shape
+from .plan_report import report as plan_report
 from .pretrain_args import (Sizes, derive_sizes, parse_pretrain_args, required_arg,
                             split_launcher)
-from .gpus import DEFAULT_EFFICIENCY, Gpu, gpu_named
 from .stage_flops import per_stage_seconds
 from .stage_layers import StageLayers, stage_layers, uneven_flags
 from .static_memory import bytes_per_param, stage_params
