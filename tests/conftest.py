@@ -4,6 +4,12 @@ import pytest
 
 
 def pytest_configure(config):
+    # The ranks of the tests' Megatron-LM loop runs import megatron.training (~0.5 s each):
+    # the tests' process server imports it once before forking them. (The `train` command's
+    # own server does not: its ranks never import it.)
+    from megatron_pp_ext.train import processes
+
+    processes.preload("megatron.training")
     config.addinivalue_line(
         "markers",
         "megatron_cpu: multi-process gloo test that trains the tiny Megatron-Core GPT on the CPU",

@@ -120,60 +120,64 @@ def test_bad_input_exits_2_with_one_line_before_spawning(args, words):
     assert proc.stdout == ""  # nothing started: no process spawned, no step printed
 
 
-def test_the_p_over_m_hint_is_one_line_before_the_run(tmp_path):
-    """p > m is allowed (every schedule runs it) but rarely meant: one hint line on stderr,
-    and the run goes on."""
-    out = tmp_path / "run"
-    proc = run_train("-p", "2", "-m", "1", "--steps", "1", "--out", str(out))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    hints = [line for line in proc.stderr.splitlines() if line.startswith("hint:")]
-    assert hints == ["hint: p=2 > m=1: most ranks idle most of the step; use m >= p "
-                     "(Megatron needs m >= p for interleaved)"], proc.stderr
-    assert json.loads((out / "summary.json").read_text())["microbatches"] == 1
-
-
 def _launched_env(extra: dict) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
     env.update(OMP_NUM_THREADS="1", **extra)
     return env
 
 
-def _run_under(launcher: str, out: Path, *args: str) -> subprocess.CompletedProcess:
-    """``train`` as torchrun (``--standalone``: a free port) or a two-task srun step (the
-    variables srun sets, as two processes) starts it: each process is one rank."""
-    command = ["-m", "megatron_pp_ext", "train", *args, "--out", str(out)]
+def _start_under(launcher: str, out: Path, *args: str) -> list[subprocess.Popen]:
+    """``train`` started as the local launcher (one command that starts its ranks), torchrun
+    (``--standalone``: a free port) or a two-task srun step (the variables srun sets, as two
+    processes, each one rank) would start it."""
+    command = [sys.executable, "-m", "megatron_pp_ext", "train", *args, "--out", str(out)]
+    pipes = dict(cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if launcher == "local":
+        return [subprocess.Popen(command, env=_launched_env({}), **pipes)]
     if launcher == "torchrun":
-        return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                               "--nproc-per-node", "2", *command], cwd=REPO,
-                              env=_launched_env({}), capture_output=True, text=True, timeout=240)
+        return [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                  "--nproc-per-node", "2", *command[1:]],
+                                 env=_launched_env({}), **pipes)]
     from megatron_pp_ext.train.processes import free_port
 
     port = str(free_port())
-    procs = [subprocess.Popen(
-        [sys.executable, *command], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, env=_launched_env(dict(
-            SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_NTASKS="2",
-            SLURM_STEP_NUM_TASKS="2", SLURM_STEP_ID="0", SLURM_JOB_ID="1", SLURM_NNODES="1",
-            MASTER_ADDR="127.0.0.1", MASTER_PORT=port))) for rank in range(2)]
-    outputs = [proc.communicate(timeout=240) for proc in procs]
+    return [subprocess.Popen(command, env=_launched_env(dict(
+        SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_NTASKS="2",
+        SLURM_STEP_NUM_TASKS="2", SLURM_STEP_ID="0", SLURM_JOB_ID="1", SLURM_NNODES="1",
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=port)), **pipes) for rank in range(2)]
+
+
+def _finish(procs: list[subprocess.Popen]) -> subprocess.CompletedProcess:
+    """The launch's processes waited for: the worst exit status, their outputs joined."""
+    try:
+        outputs = [proc.communicate(timeout=240) for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
     return subprocess.CompletedProcess(
         procs[0].args, max(proc.returncode for proc in procs),
         "".join(o for o, _ in outputs), "".join(e for _, e in outputs))
 
 
-@pytest.mark.parametrize("launcher", ["torchrun", "srun"])
-def test_megatron_warnings_stay_out_of_the_output_under_every_launcher(tmp_path, launcher):
-    """Under torchrun and srun each rank is a process that imports Megatron itself (the local
-    launcher's ranks are covered by test_train_1f1b_and_zb_v): its warnings, which do fire
-    on this machine (test_megatron_warnings_fire_and_are_hidden), stay out of the output;
-    the run's lines and the p > m hint (once, from rank 0) are there."""
-    out = tmp_path / launcher
-    proc = _run_under(launcher, out, "-p", "2", "-m", "1", "--steps", "1")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    _assert_no_megatron_warnings(proc)
-    assert f"gloo via {launcher}" in proc.stdout and "step 1/1" in proc.stdout
-    assert proc.stderr.count("hint: p=2 > m=1") == 1
-    assert json.loads((out / "summary.json").read_text())["launcher"] == launcher
+def test_every_launcher_hints_p_over_m_once_and_keeps_megatron_warnings_out(tmp_path):
+    """p > m is allowed (every schedule runs it) but rarely meant: one hint line on stderr
+    (from rank 0), and the run goes on; under torchrun and srun each rank is a process that
+    imports Megatron itself, and its warnings, which do fire on this machine
+    (test_megatron_warnings_fire_and_are_hidden), stay out of the output. The three launches
+    run side by side."""
+    launchers = ("local", "torchrun", "srun")
+    started = {name: _start_under(name, tmp_path / name, "-p", "2", "-m", "1", "--steps", "1")
+               for name in launchers}
+    for launcher in launchers:
+        proc = _finish(started[launcher])
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        _assert_no_megatron_warnings(proc)
+        assert f"gloo via {launcher}" in proc.stdout and "step 1/1" in proc.stdout
+        hints = [line for line in proc.stderr.splitlines() if line.startswith("hint:")]
+        assert hints == ["hint: p=2 > m=1: most ranks idle most of the step; use m >= p "
+                         "(Megatron needs m >= p for interleaved)"], (launcher, proc.stderr)
+        summary = json.loads((tmp_path / launcher / "summary.json").read_text())
+        assert (summary["launcher"], summary["microbatches"]) == (launcher, 1)
 
 
 _WARN_AND_LOG = (

@@ -31,7 +31,8 @@ import time
 import traceback
 from typing import Any, Callable, Optional
 
-__all__ = ["spawn", "free_port", "host_store", "init_megatron", "destroy", "SpawnError"]
+__all__ = ["spawn", "free_port", "host_store", "init_megatron", "destroy", "preload",
+           "SpawnError"]
 
 # Modules the forkserver imports once, so that every rank forks with them already loaded.
 _PRELOAD = [
@@ -70,6 +71,14 @@ def host_store(timeout_s: float):
     return dist.TCPStore("127.0.0.1", 0, None, True,
                          timeout=datetime.timedelta(seconds=max(1.0, float(timeout_s))),
                          wait_for_workers=False)
+
+
+def preload(*modules: str) -> None:
+    """Add modules for the forkserver to import before it forks any rank; only before the
+    first :func:`spawn` of this process (the server starts then, once)."""
+    if "forkserver" in _CONTEXTS:
+        raise RuntimeError("the forkserver has started: preload modules before the first spawn")
+    _PRELOAD.extend(m for m in modules if m not in _PRELOAD)
 
 
 def _context(start_method: str):
