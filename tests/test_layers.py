@@ -152,14 +152,17 @@ def test_the_walk_sees_function_level_and_relative_imports(tmp_path):
 
 
 def test_the_commands_that_only_predict_load_no_torch():
-    """simulate, select and compare draw and rank schedules from the IR alone: their start-up
-    loads neither torch nor Megatron (`plan` and `select -- ARGS` read Megatron's parser, and
-    load it then, inside the command)."""
+    """simulate, select and compare draw and rank schedules from the IR alone, and PipeDream's
+    builders and version plan are pure: none loads torch or Megatron (`plan` and `select --
+    ARGS` read Megatron's parser, and load it then, inside the command)."""
     import subprocess
     import sys
 
     code = ("import contextlib, io, sys\n"
             "from megatron_pp_ext.cli import main\n"
+            "from megatron_pp_ext.schedules import build_async_schedule\n"
+            "from megatron_pp_ext.schedules.pipedream import plan_versions\n"
+            "plan_versions(build_async_schedule('pipedream', 4, 8, vertical_sync=True))\n"
             "with contextlib.redirect_stdout(io.StringIO()):\n"
             "    main(['simulate', '--schedule', 'zb-v', '-p', '2', '-m', '4'])\n"
             "    main(['select', '-p', '2', '-m', '4', '--memory-budget', '1GiB',\n"
