@@ -128,10 +128,11 @@ FIRST_LAST = ("--decoder-first-pipeline-num-layers", "3", "--decoder-last-pipeli
               "5")
 ACCOUNT = ("--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split")
 STRING = (LAYOUT, "Et|tttttttL")
-# every loop schedule under one of Megatron's uneven splits (each split under two of them),
-# against Megatron's own 1F1B with the same flags; (decoder layers per stage)
+# every loop schedule (and auto, which measures and switches among them) under one of
+# Megatron's uneven splits, each split under at least one, against Megatron's own 1F1B with the
+# same flags; (decoder layers per stage)
 UNEVEN = [("1f1b", FIRST_LAST, [3, 5]), ("zb-h2", FIRST_LAST, [3, 5]),
-          ("gpipe", ACCOUNT, [4, 4]), ("zb-h1", STRING, [1, 7])]
+          ("gpipe", ACCOUNT, [4, 4]), ("zb-h1", STRING, [1, 7]), ("auto", STRING, [1, 7])]
 
 
 @pytest.mark.parametrize("schedule,flags,decoders", UNEVEN,
