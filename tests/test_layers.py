@@ -36,10 +36,8 @@ DEFERRED: dict[tuple[str, str], str] = {
         "Megatron-LM's argument parser (seconds to import): only `plan` reads it",
     ("commands.simulate", "integration.pretrain_plan"):
         "Megatron-LM's argument parser: only `simulate -- <pretrain_gpt.py args>` reads it",
-    ("commands.compare", "integration.pretrain_select"):
-        "Megatron-LM's argument parser: only `compare -- <pretrain_gpt.py args>` reads it",
-    ("commands.select", "integration.pretrain_select"):
-        "Megatron-LM's argument parser: only `select -- <pretrain_gpt.py args>` reads it",
+    ("commands.common", "integration.pretrain_select"):
+        "Megatron-LM's argument parser: only `select/compare -- <pretrain_gpt.py args>` read it",
     ("commands.train", "train.async_loop"): "torch and Megatron: only `train` runs them",
     ("commands.train", "train.launcher"): "torch and Megatron: only `train` runs them",
     ("integration.megatron_args", "integration.install"):

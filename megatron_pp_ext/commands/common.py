@@ -165,6 +165,29 @@ def add_megatron_args(parser, what: str) -> None:
                         "script: torchrun ... pretrain_gpt.py ...)")
 
 
+def cost_flags_given(args) -> bool:
+    """Whether a cost flag (``--t-f`` ... ``--t-overhead``) is on the command line: given
+    costs take the place of a plan's costs from FLOPs (so does ``--costs FILE``)."""
+    return any(getattr(args, k) is not None for k in ("t_f", "t_i", "t_w", "t_b", "t_comm",
+                                                      "t_overhead"))
+
+
+def select_on_model(args, argv: list[str], candidates):
+    """``(selection, text)``: every candidate planned on the model of ``argv``
+    (``integration.pretrain_select``), as JSON or as its table per ``--format``; what
+    ``select -- ARGS`` and ``compare -- ARGS`` print."""
+    import json
+
+    from ..integration.pretrain_select import select_pretrain, selection_dict, selection_report
+
+    selection = select_pretrain(argv, gpu=args.gpu, world_size=args.world_size,
+                                gpu_memory=args.gpu_memory, efficiency=args.efficiency,
+                                candidates=candidates)
+    text = (json.dumps(selection_dict(selection), indent=1) if args.format == "json" else
+            selection_report(selection))
+    return selection, text
+
+
 def megatron_argv(args) -> list[str]:
     """The Megatron-LM arguments given after ``--`` (empty when none)."""
     argv = list(getattr(args, "megatron_args", None) or [])

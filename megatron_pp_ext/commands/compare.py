@@ -20,7 +20,7 @@ from ..analysis.select import MiB, format_bytes, select_schedules
 from ..schedules import REGISTRY, get_spec, schedule_names
 from .hints import warn_p_exceeds_m
 from .common import (COSTS_HELP, add_cost_args, add_megatron_args, add_size_args,
-                     costs_from_args, describe_costs, megatron_argv)
+                     costs_from_args, describe_costs, megatron_argv, select_on_model)
 
 FORMATS = ("text", "json")
 
@@ -109,15 +109,9 @@ def run(args) -> int:
 def _run_pretrain(args, argv: list[str]) -> int:
     """``compare -- <pretrain_gpt.py args>``: every schedule planned on the model, the table
     ``select`` prints (those that do not fit included), ``--out``: every timeline."""
-    from ..integration.pretrain_select import select_pretrain, selection_dict, selection_report
-
     names = [n.strip() for n in args.schedules.split(",") if n.strip()] if args.schedules \
         else None
-    selection = select_pretrain(argv, gpu=args.gpu, world_size=args.world_size,
-                                gpu_memory=args.gpu_memory, efficiency=args.efficiency,
-                                candidates=names)
-    text = (json.dumps(selection_dict(selection), indent=1) if args.format == "json" else
-            selection_report(selection))
+    selection, text = select_on_model(args, argv, names)
     print(text)
     plans = selection.ranked + selection.too_big
     if args.out and plans:

@@ -22,7 +22,8 @@ from pathlib import Path
 
 from ..analysis.render import render_html
 from ..analysis.simulate import CostModel, simulate
-from .common import add_cost_args, add_megatron_args, costs_from_args, megatron_argv
+from .common import (add_cost_args, add_megatron_args, costs_from_args, cost_flags_given,
+                     megatron_argv)
 
 UNITS = ("s", "t")
 
@@ -63,8 +64,7 @@ def run(args) -> int:
                          gpu=args.gpu, gpu_memory=args.gpu_memory, efficiency=args.efficiency)
 
     # the costs, checked against the plan's p (a measured rank's share holds for that p only)
-    given = any(getattr(args, k) is not None for k in ("t_f", "t_i", "t_w", "t_b", "t_comm",
-                                                       "t_overhead"))
+    given = cost_flags_given(args)
     args.ranks, args.microbatches = plan.pp, plan.m
     costs, unit, measured = costs_from_args(args)
     if measured is None and not given and args.assume_split is None and plan.stage_costs:

@@ -11,7 +11,7 @@ from ..analysis.select import MiB, Selection, format_bytes, parse_size, select_s
 from ..schedules import schedule_names
 from .hints import warn_p_exceeds_m
 from .common import (COSTS_HELP, add_cost_args, add_megatron_args, add_size_args,
-                     costs_from_args, describe_costs, megatron_argv)
+                     costs_from_args, describe_costs, megatron_argv, select_on_model)
 
 FORMATS = ("text", "json")
 
@@ -168,14 +168,6 @@ def render_text(selection: Selection, unit: str = "t", activation_from: str = "g
 
 
 def run_pretrain(args, argv: list[str], candidates) -> int:
-    """``select -- <pretrain_gpt.py args>``: every candidate planned on the model (see
-    ``integration.pretrain_select``)."""
-    from ..integration.pretrain_select import select_pretrain, selection_dict, selection_report
-
-    selection = select_pretrain(argv, gpu=args.gpu, world_size=args.world_size,
-                                gpu_memory=args.gpu_memory, efficiency=args.efficiency,
-                                candidates=candidates)
-    text = (json.dumps(selection_dict(selection), indent=1) if args.format == "json" else
-            selection_report(selection))
-    sys.stdout.write(text + "\n")
+    """``select -- <pretrain_gpt.py args>``: every candidate planned on the model."""
+    sys.stdout.write(select_on_model(args, argv, candidates)[1] + "\n")
     return 0

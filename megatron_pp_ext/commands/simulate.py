@@ -16,7 +16,7 @@ from ..schedules import build_schedule, is_async_schedule, schedule_names
 from ..schedules.validate import CHANNELS, validate_schedule
 from ..integration.stage_layers import describe
 from .common import (COSTS_HELP, add_cost_args, add_megatron_args, add_size_args,
-                     costs_from_args, describe_costs, megatron_argv, peak_line)
+                     cost_flags_given, costs_from_args, describe_costs, megatron_argv, peak_line)
 from .hints import warn_p_exceeds_m
 
 FORMATS = ("ascii", "json", "html", "chrome")
@@ -143,18 +143,14 @@ def _run_planned(args, argv: list[str]) -> int:
     plan = plan_pretrain(argv, schedule=args.schedule, world_size=args.world_size,
                          gpu=args.gpu, gpu_memory=args.gpu_memory, efficiency=args.efficiency)
     args.ranks, args.microbatches = plan.pp, plan.m
-    given = args.costs or any(getattr(args, k) is not None for k in (
-        "t_f", "t_i", "t_w", "t_b", "t_comm", "t_overhead"))
-    measured, unit = None, "t"
-    if given:
+    if args.costs or cost_flags_given(args):
         costs, unit, measured = costs_from_args(args)
+        what = (describe_costs(costs, unit, measured, args.assume_split) if measured else
+                "the given costs")
     elif plan.stage_costs:
-        costs, unit = CostModel.for_stages(**plan.stage_costs), "s"
+        costs, unit, what = CostModel.for_stages(**plan.stage_costs), "s", plan.costs_text
     else:
-        costs = CostModel()
-    what = plan.costs_text if plan.stage_costs and not given else (
-        describe_costs(costs, unit, measured, args.assume_split) if measured else
-        "given costs" if given else "unit costs (give --gpu NAME to price each stage)")
+        costs, unit, what = CostModel(), "t", "unit costs (give --gpu NAME to price each stage)"
     notes = (f"{plan.name}: p={plan.pp}, m={plan.m}, v={plan.v} from Megatron-LM's arguments; "
              f"stages {describe(plan.stages)}; {what}")
     return _show(args, plan.schedule, costs, unit, notes)

@@ -47,11 +47,12 @@ def select_pretrain(argv: Sequence[str], gpu: str | None, world_size: int | None
                          "another capacity")
     argv = [str(a) for a in argv]
     layouts = candidates_by_layout()
-    names = list(candidates) if candidates else [n for names in layouts.values() for n in names]
+    names = ([str(n).strip().lower() for n in candidates] if candidates else
+             [n for names in layouts.values() for n in names])
     ranked, too_big, excluded = [], [], []
     for name in names:
         try:
-            plan = plan_pretrain(_with_chunks(argv, _chunks_for(name, argv, layouts)),
+            plan = plan_pretrain(_with_chunks(argv, _chunks_for(name, layouts)),
                                  schedule=name, world_size=world_size, gpu=gpu,
                                  gpu_memory=gpu_memory, efficiency=efficiency)
         except ValueError as exc:
@@ -63,7 +64,7 @@ def select_pretrain(argv: Sequence[str], gpu: str | None, world_size: int | None
     return PretrainSelection(ranked, too_big, excluded)
 
 
-def _chunks_for(name: str, argv: list[str], layouts: dict) -> int | None:
+def _chunks_for(name: str, layouts: dict) -> int | None:
     """The chunks per rank the candidate runs (None: the arguments' own, for interleaved)."""
     if name in layouts["v"]:
         return 2
