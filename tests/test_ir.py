@@ -28,9 +28,10 @@ def built_schedules():
 
 def test_the_round_trip_covers_every_builder():
     counts = {name: sum(1 for case in built_schedules() if case[0] == name) for name in REGISTRY}
-    # 9 sizes at one v; interleaved: (1,1) (1,3) (1,8) (2,8) (4,8) at v = 2 and 3
+    # 9 sizes at one v; interleaved: (1,1) (1,3) (1,8) (2,8) (4,8) at v = 2 and 3; zb-auto
+    # at v = 1 and 2
     assert counts == {"gpipe": 9, "1f1b": 9, "interleaved": 10, "zb-h1": 9, "zb-h2": 9,
-                      "zb-v": 9, "dualpipev": 9}
+                      "zb-v": 9, "dualpipev": 9, "v-half": 9, "v-min": 9, "zb-auto": 18}
 
 
 def test_action_text_both_ways():

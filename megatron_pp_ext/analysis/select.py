@@ -59,11 +59,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable, NamedTuple, Sequence
 
-from ..ir import ScheduleError
+from ..ir import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Schedule, ScheduleError
 from ..schedules import REGISTRY, build_schedule, get_spec
+from ..schedules._common import loop_placement
+from ..schedules.zb_auto import NAME as ZB_AUTO
 from ..timeline import Timeline
 from .costs import activations_in_v1_units
-from .simulate import RANK, CostModel, simulate
+from .simulate import RANK, CostModel, action_durations, simulate
 
 MiB = 1024 * 1024
 
@@ -179,9 +181,21 @@ def candidate_list(candidates: Iterable | None, chunks_options: Sequence[int]) -
         spec = get_spec(item)
         if spec.name == "interleaved":
             pairs += [(spec.name, int(v)) for v in chunks_options]
-        else:
+        else:  # zb-auto's None: the builder picks the layout
             pairs.append((spec.name, spec.default_chunks))
     return pairs
+
+
+def zb_auto_options(costs: CostModel, num_ranks: int, activation_bytes,
+                    memory_budget_bytes) -> dict:
+    """zb-auto's builder options for a selection's inputs: each rank's F, I, W (its share,
+    the runtime's overhead on F and I folded in), message time, activation and budget."""
+    one_chunk = Schedule("costs", 1, loop_placement(num_ranks, 1), [[] for _ in range(num_ranks)])
+    cost = costs.per_stage(one_chunk)
+    duration = action_durations(cost)
+    return {"t_f": duration[FORWARD], "t_i": duration[BACKWARD_INPUT],
+            "t_w": duration[BACKWARD_WEIGHT], "t_comm": cost["t_comm"],
+            "activation": activation_bytes, "memory_budget": memory_budget_bytes}
 
 
 def _check_inputs(num_ranks, num_microbatches, activation_bytes, memory_budget_bytes,
@@ -242,13 +256,17 @@ def select_schedules(num_ranks: int, num_microbatches: int, costs: CostModel,
                 "(t_b): measure a split schedule, or assume a split (--assume-split X: "
                 "I = X B, W = (1 - X) B)")))
             continue
+        built_with = dict(options.get(name, {}))
+        if name == ZB_AUTO:  # synthesized for these very costs and this budget
+            built_with = {**zb_auto_options(costs, num_ranks, activation_bytes,
+                                            memory_budget_bytes), **built_with}
         try:
-            schedule = build_schedule(name, num_ranks, num_microbatches, v,
-                                      **options.get(name, {}))
+            schedule = build_schedule(name, num_ranks, num_microbatches, v, **built_with)
             timeline = simulate(schedule, costs, validate=False)  # chunks cost 1/v each
         except ScheduleError as exc:
             excluded.append(Excluded(name, v, " ".join(str(exc).split())))
             continue
+        v = schedule.chunks  # zb-auto's layout is its own choice
         counts = list(timeline.peak_activations)
         peaks[(name, v)] = counts
         timelines[(name, v)] = timeline

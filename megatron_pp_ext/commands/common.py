@@ -7,7 +7,7 @@ import argparse
 
 from ..analysis.costs import (MeasuredCosts, activations_in_v1_units, assume_split,
                               format_counts, load_costs)
-from ..analysis.select import parse_size
+from ..analysis.select import MiB, parse_size
 from ..analysis.simulate import CostModel
 from ..integration.gpus import DEFAULT_EFFICIENCY, GPUS
 
@@ -143,6 +143,69 @@ def peak_line(timeline) -> str:
             "rank's layers)")
 
 
+def add_memory_args(parser) -> None:
+    """The per-rank memory budget and one microbatch's activation, in bytes (select takes
+    them, and simulate for zb-auto, which is synthesized under them)."""
+    memory = parser.add_argument_group(
+        "memory (bytes; a size takes a unit: 2GiB, 512MiB, 1.5GB; a bare number is bytes)")
+    budget = memory.add_mutually_exclusive_group()
+    budget.add_argument("--memory-budget", type=_size_float, metavar="SIZE",
+                        help="bytes per rank available for activations, e.g. 2GiB")
+    budget.add_argument("--memory-budget-bytes", type=_size_float, metavar="N",
+                        help="the same in bytes")
+    budget.add_argument("--memory-budget-mb", type=float, metavar="Y",
+                        help="the same in MiB (2^20 bytes; kept for older command lines)")
+    activation = memory.add_mutually_exclusive_group()
+    activation.add_argument("--activation", type=_size_float, metavar="SIZE",
+                            help="bytes one microbatch's activations take on one rank (v=1), "
+                            "every rank alike; default with --costs SUMMARY.json: measured per "
+                            "rank (its activation_bytes_per_stage)")
+    activation.add_argument("--activation-bytes", type=_size_float, metavar="N",
+                            help="the same in bytes")
+    activation.add_argument("--activation-mb", type=float, metavar="X",
+                            help="the same in MiB (2^20 bytes; kept for older command lines)")
+
+
+def _size_float(text: str) -> float:
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def budget_of(args, required: bool = True) -> float | None:
+    """The per-rank budget in bytes, from whichever flag was given (None: not given and not
+    ``required``)."""
+    if args.memory_budget is not None:
+        return args.memory_budget
+    if args.memory_budget_bytes is not None:
+        return args.memory_budget_bytes
+    if args.memory_budget_mb is not None:
+        return args.memory_budget_mb * MiB
+    if not required:
+        return None
+    raise ValueError("select needs a memory budget per rank: --memory-budget SIZE (e.g. 2GiB), "
+                     "--memory-budget-bytes N or --memory-budget-mb Y")
+
+
+def activation_of(args, measured, required: bool = True) -> tuple:
+    """(one microbatch's activation bytes per rank, v=1: a number or a list; where from);
+    (None, None) when not given, not measured and not ``required``."""
+    for flag, scale in (("activation", 1), ("activation_bytes", 1), ("activation_mb", MiB)):
+        value = getattr(args, flag)
+        if value is not None:
+            if value < 0:
+                raise ValueError(f"--{flag.replace('_', '-')} {value:g} must be >= 0")
+            return value * scale, "given"
+    if measured is not None and measured.activation_bytes:
+        return list(measured.activation_bytes), f"measured ({measured.path})"
+    if not required:
+        return None, None
+    raise ValueError("select needs one microbatch's activation bytes per rank: --activation "
+                     "SIZE (e.g. 24MiB), --activation-bytes N, --activation-mb X, or --costs "
+                     "a train summary.json that measured them (activation_bytes_per_stage)")
+
+
 def add_megatron_args(parser, what: str) -> None:
     """A Megatron-LM command line after ``--`` (``pretrain_gpt.py``'s arguments, optionally
     behind its launcher) and what prices and holds it: ``--gpu``, ``--gpu-memory``,
@@ -195,7 +258,4 @@ def megatron_argv(args) -> list[str]:
 
 
 def _size(text: str) -> int:
-    try:
-        return int(parse_size(text))
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+    return int(_size_float(text))

@@ -7,11 +7,12 @@ import json
 import sys
 
 from ..analysis.costs import ACTIVATION_UNIT, format_counts, format_time
-from ..analysis.select import MiB, Selection, format_bytes, parse_size, select_schedules
+from ..analysis.select import Selection, format_bytes, select_schedules
 from ..schedules import schedule_names
 from .hints import warn_p_exceeds_m
-from .common import (COSTS_HELP, add_cost_args, add_megatron_args, add_size_args,
-                     costs_from_args, describe_costs, megatron_argv, select_on_model)
+from .common import (COSTS_HELP, activation_of, add_cost_args, add_megatron_args,
+                     add_memory_args, add_size_args, budget_of, costs_from_args, describe_costs,
+                     megatron_argv, select_on_model)
 
 FORMATS = ("text", "json")
 
@@ -36,24 +37,7 @@ def register(subparsers) -> None:
     )
     add_size_args(parser)
     add_cost_args(parser)
-    memory = parser.add_argument_group(
-        "memory (bytes; a size takes a unit: 2GiB, 512MiB, 1.5GB; a bare number is bytes)")
-    budget = memory.add_mutually_exclusive_group()
-    budget.add_argument("--memory-budget", type=_size, metavar="SIZE",
-                        help="bytes per rank available for activations, e.g. 2GiB")
-    budget.add_argument("--memory-budget-bytes", type=_size, metavar="N",
-                        help="the same in bytes")
-    budget.add_argument("--memory-budget-mb", type=float, metavar="Y",
-                        help="the same in MiB (2^20 bytes; kept for older command lines)")
-    activation = memory.add_mutually_exclusive_group()
-    activation.add_argument("--activation", type=_size, metavar="SIZE",
-                            help="bytes one microbatch's activations take on one rank (v=1), "
-                            "every rank alike; default with --costs SUMMARY.json: measured per "
-                            "rank (its activation_bytes_per_stage)")
-    activation.add_argument("--activation-bytes", type=_size, metavar="N",
-                            help="the same in bytes")
-    activation.add_argument("--activation-mb", type=float, metavar="X",
-                            help="the same in MiB (2^20 bytes; kept for older command lines)")
+    add_memory_args(parser)
     parser.add_argument("--schedules", metavar="A,B,...",
                         help=f"candidates (default: all of {', '.join(schedule_names())})")
     parser.add_argument("--chunks-options", type=int_list, default=(2, 3, 4), metavar="V,...",
@@ -97,40 +81,6 @@ def run(args) -> int:
             text = describe_costs(costs, unit, measured, args.assume_split) + "\n\n" + text
     sys.stdout.write(text + "\n")
     return 0
-
-
-def _size(text: str) -> float:
-    try:
-        return parse_size(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def budget_of(args) -> float:
-    """The per-rank budget in bytes, from whichever flag was given."""
-    if args.memory_budget is not None:
-        return args.memory_budget
-    if args.memory_budget_bytes is not None:
-        return args.memory_budget_bytes
-    if args.memory_budget_mb is not None:
-        return args.memory_budget_mb * MiB
-    raise ValueError("select needs a memory budget per rank: --memory-budget SIZE (e.g. 2GiB), "
-                     "--memory-budget-bytes N or --memory-budget-mb Y")
-
-
-def activation_of(args, measured) -> tuple:
-    """(one microbatch's activation bytes per rank, v=1: a number or a list; where from)."""
-    for flag, scale in (("activation", 1), ("activation_bytes", 1), ("activation_mb", MiB)):
-        value = getattr(args, flag)
-        if value is not None:
-            if value < 0:
-                raise ValueError(f"--{flag.replace('_', '-')} {value:g} must be >= 0")
-            return value * scale, "given"
-    if measured is not None and measured.activation_bytes:
-        return list(measured.activation_bytes), f"measured ({measured.path})"
-    raise ValueError("select needs one microbatch's activation bytes per rank: --activation "
-                     "SIZE (e.g. 24MiB), --activation-bytes N, --activation-mb X, or --costs "
-                     "a train summary.json that measured them (activation_bytes_per_stage)")
 
 
 def render_text(selection: Selection, unit: str = "t", activation_from: str = "given") -> str:

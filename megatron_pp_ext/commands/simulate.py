@@ -15,8 +15,11 @@ from ..ir import Schedule
 from ..schedules import build_schedule, is_async_schedule, schedule_names
 from ..schedules.validate import CHANNELS, validate_schedule
 from ..integration.stage_layers import describe
-from .common import (COSTS_HELP, add_cost_args, add_megatron_args, add_size_args,
-                     cost_flags_given, costs_from_args, describe_costs, megatron_argv, peak_line)
+from ..analysis.select import zb_auto_options
+from ..schedules.zb_auto import NAME as ZB_AUTO
+from .common import (COSTS_HELP, activation_of, add_cost_args, add_megatron_args,
+                     add_memory_args, add_size_args, budget_of, cost_flags_given,
+                     costs_from_args, describe_costs, megatron_argv, peak_line)
 from .hints import warn_p_exceeds_m
 
 FORMATS = ("ascii", "json", "html", "chrome")
@@ -59,6 +62,7 @@ def register(subparsers) -> None:
                         "producer ends, + t_comm; default) or nccl (the program the executor "
                         "posts on NCCL, timed under NCCL's rules: rendezvous sends, one "
                         "stream of batches per rank; its batches are drawn as p2p rows)")
+    add_memory_args(parser)  # zb-auto is synthesized under them
     add_megatron_args(parser, "simulate the schedule on this model: p, m, v and every stage's "
                       "layers from the arguments (as plan reads them), each stage priced from "
                       "its FLOPs with --gpu")
@@ -76,7 +80,7 @@ def load_schedule(path: str) -> Schedule:
     return load(text, name=Path(path).stem)[0]
 
 
-def make_schedule(args) -> Schedule:
+def make_schedule(args, costs: CostModel | None = None, measured=None) -> Schedule:
     if args.csv and args.schedule:
         raise ValueError("give either --schedule NAME or --csv FILE, not both")
     if args.csv:
@@ -91,8 +95,30 @@ def make_schedule(args) -> Schedule:
         options["max_pending_backward"] = args.max_pending_backward
     if args.warmup_forwards is not None:
         options["warmup_forwards"] = args.warmup_forwards
+    options.update(_synthesis_options(args, costs, measured))
     return build_schedule(args.schedule, args.ranks, args.microbatches, args.chunks,
                           validate=False, **options)
+
+
+def _synthesis_options(args, costs: CostModel | None, measured) -> dict:
+    """zb-auto's builder options: the costs and the per-rank budget it is synthesized for
+    (default: 1F1B's peak, in counts of microbatches without --activation)."""
+    budget = budget_of(args, required=False)
+    given = [flag for flag in ("activation", "activation_bytes", "activation_mb")
+             if getattr(args, flag) is not None]
+    if str(args.schedule).strip().lower() != ZB_AUTO:
+        if budget is not None or given:
+            raise ValueError("--memory-budget and --activation shape zb-auto only (every other "
+                             "schedule's memory is predicted without them): drop them, or "
+                             "choose --schedule zb-auto")
+        return {}
+    activation, _ = activation_of(args, measured, required=False)
+    if budget is not None and activation is None:
+        raise ValueError("--memory-budget is in bytes: give one microbatch's activation bytes "
+                         "too (--activation SIZE), or --costs a train summary.json that "
+                         "measured them")
+    return zb_auto_options(costs or CostModel(), args.ranks,
+                           1.0 if activation is None else activation, budget)
 
 
 def nccl_program_text(schedule: Schedule) -> str:
@@ -118,7 +144,7 @@ def run(args) -> int:
         costs, unit, measured = costs_from_args(args)  # fills -p / -m from --costs
     if args.schedule and is_async_schedule(args.schedule) and not args.nccl_program:
         return _run_async(args, costs, unit)
-    schedule = make_schedule(args)
+    schedule = make_schedule(args, None if args.nccl_program else costs, measured)
     warn_p_exceeds_m(schedule.num_ranks, schedule.num_microbatches)
     if args.nccl_program:
         validate_schedule(schedule)

@@ -28,6 +28,8 @@ from .pipedream import PIPEDREAM, PIPEDREAM_2BW, build_pipedream, build_pipedrea
 from .validate import validate_schedule
 from .zero_bubble import build_zb_h1, build_zb_h2
 from .zb_v import build_zb_v
+from .zb_auto import ZB_AUTO_OPTIONS, build_zb_auto
+from .controllable_memory import build_v_half, build_v_min
 from .pipedream import plan_versions
 
 
@@ -35,17 +37,30 @@ from .pipedream import plan_versions
 class ScheduleSpec:
     name: str
     builder: Callable[..., Schedule]
-    layout: str  # "loop" (chunk c of rank r is stage c*p+r) or "v" (rank r: stages r, 2p-1-r)
-    default_chunks: int
+    # "loop" (chunk c of rank r is stage c*p+r), "v" (rank r: stages r, 2p-1-r), or "auto"
+    # (zb-auto: v = 1 builds for the loop layout, v = 2 for the V, none for the faster of both)
+    layout: str
+    default_chunks: int | None
     split_backward: bool  # uses I/W actions
     constraints: str  # what the builder demands, in words
 
-    def allowed_chunks(self, chunks: int) -> bool:
+    def allowed_chunks(self, chunks: int | None) -> bool:
+        if self.layout == AUTO_LAYOUT:
+            return chunks in (None, 1, 2)
         if self.layout == "v":
             return chunks == 2
         if self.name == "interleaved":
             return chunks >= 2
         return chunks == 1
+
+    def layout_for(self, chunks: int) -> str:
+        """The layout the schedule runs with ``chunks`` model chunks per rank."""
+        if self.layout == AUTO_LAYOUT:
+            return "v" if chunks == 2 else "loop"
+        return self.layout
+
+
+AUTO_LAYOUT = "auto"
 
 
 REGISTRY: dict[str, ScheduleSpec] = {
@@ -67,6 +82,17 @@ REGISTRY: dict[str, ScheduleSpec] = {
         ScheduleSpec("dualpipev", build_dualpipev, "v", 2, True,
                      "v = 2 (V layout); any p >= 1, m >= 1 (m < 2p: the order for 2p "
                      "microbatches, cut to m); match_dualpipe=True: DualPipe's own order"),
+        ScheduleSpec("v-half", build_v_half, "v", 2, True,
+                     "v = 2 (V layout); any p >= 1, m >= 1; about half of 1F1B's activation "
+                     "memory"),
+        ScheduleSpec("v-min", build_v_min, "v", 2, True,
+                     "v = 2 (V layout); any p >= 1, m >= 1; about a third of 1F1B's "
+                     "activation memory"),
+        ScheduleSpec("zb-auto", build_zb_auto, AUTO_LAYOUT, None, True,
+                     "v = 1 (loop layout), 2 (V layout) or left out (the faster of both); "
+                     "any p >= 1, m >= 1; synthesized for t_f, t_i, t_w, t_comm (per rank) "
+                     "under memory_budget (per rank, in the unit of activation; default "
+                     "1F1B's peak)"),
     )
 }
 
@@ -209,6 +235,10 @@ def candidates_by_layout() -> dict[str, tuple[str, ...]]:
     layout, one chunk per rank), ``loop`` (several chunks per rank: interleaved) and ``v``."""
     out: dict[str, list[str]] = {"one-chunk": [], "v": [], "loop": []}
     for spec in REGISTRY.values():
+        if spec.layout == AUTO_LAYOUT:  # builds for either
+            out["one-chunk"].append(spec.name)
+            out["v"].append(spec.name)
+            continue
         key = "v" if spec.layout == "v" else ("one-chunk" if spec.allowed_chunks(1) else "loop")
         out[key].append(spec.name)
     return {key: tuple(names) for key, names in out.items()}
@@ -292,7 +322,8 @@ def load_schedule_file(path: str, forward_only: bool = False) -> Schedule:
 # Builder options that shape one family's order; any other builder would ignore them silently.
 SHAPING_OPTIONS = {"max_pending_backward": ("zb-h1", "zb-h2"), "warmup_forwards": ("zb-v",),
                    "microbatch_group_size_per_vp_stage": ("interleaved",),
-                   "match_dualpipe": ("dualpipev",)}
+                   "match_dualpipe": ("dualpipev",),
+                   **{option: ("zb-auto",) for option in ZB_AUTO_OPTIONS}}
 
 
 def takes_option(name: str, option: str) -> bool:
@@ -313,7 +344,8 @@ def build_schedule(name: str, num_ranks: int, num_microbatches: int, chunks: int
                 f"ignore it: drop it, or choose {' or '.join(takers)}")
     chunks = spec.default_chunks if chunks is None else chunks
     if not spec.allowed_chunks(chunks):
-        rule = {"v": "exactly 2 (the V layout)", "loop": "1"}[spec.layout]
+        rule = {"v": "exactly 2 (the V layout)", "loop": "1",
+                AUTO_LAYOUT: "1 (loop layout), 2 (V layout) or left out"}[spec.layout]
         if name == "interleaved":
             rule = ">= 2"
         raise ScheduleError(
