@@ -51,7 +51,11 @@ def test_json_figures_are_the_simulators_with_the_same_costs():
     costs = CostModel(t_f=2, t_i=2, t_w=1, t_comm=0.1)
     fastest = min(row["step_time"] for row in data["schedules"])
     for row in data["schedules"]:
-        timeline = simulate(build_schedule(row["schedule"], 4, 16, row["chunks"]), costs)
+        # zb-auto is built for these costs, with no budget (compare shows every peak)
+        synthesized = dict(t_f=2, t_i=2, t_w=1, t_comm=0.1, activation=0,
+                           memory_budget=float("inf")) if row["schedule"] == "zb-auto" else {}
+        timeline = simulate(build_schedule(row["schedule"], 4, 16, row["chunks"],
+                                           **synthesized), costs)
         assert row["step_time"] == pytest.approx(timeline.makespan, abs=1e-9)
         assert row["bubble"] == pytest.approx(timeline.bubble_fraction, abs=1e-12)
         assert row["peak_chunk_activations"] == timeline.peak_activations
@@ -94,7 +98,8 @@ def test_measured_costs_compare_without_split_schedules(tmp_path):
     data = json.loads(done.stdout)
     assert (data["ranks"], data["microbatches"], data["unit"]) == (4, 8, "s")
     assert [row["schedule"] for row in data["schedules"]] == ["gpipe", "1f1b", "interleaved"]
-    assert {e["name"] for e in data["not_compared"]} == {"zb-h1", "zb-h2", "zb-v", "dualpipev"}
+    assert {e["name"] for e in data["not_compared"]} == {"zb-h1", "zb-h2", "zb-v", "dualpipev",
+                                                         "v-half", "v-min", "zb-auto"}
     want = simulate(build_schedule("1f1b", 4, 8), CostModel(t_f=F, t_b=B, t_comm=T_COMM))
     assert data["schedules"][1]["step_time"] == pytest.approx(want.makespan, abs=1e-9)
     text = cli("compare", "--costs", str(summary)).stdout

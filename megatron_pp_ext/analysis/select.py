@@ -49,7 +49,8 @@ in Megatron-LM training: the optimizer step, with its gradient-norm and (for fp1
 all-reduces over the model-parallel group, synchronizes every pipeline rank between two steps,
 so a schedule whose shape would let the next step's warmup run under this step's cooldown
 (zb-h2's parallelogram) does not gain that overlap; the single-step makespan is what a step
-measures. Ties (same makespan) go to the smaller peak, then the name. Everything outside the
+measures. Ties (same makespan) go to the smaller peak, then to a fixed schedule before
+zb-auto (which then found the same), then the name. Everything outside the
 pipeline (optimizer, data-parallel gradient reduction) is the same for every candidate and is
 left out.
 """
@@ -176,7 +177,7 @@ def candidate_list(candidates: Iterable | None, chunks_options: Sequence[int]) -
         if isinstance(item, (tuple, list)):
             name, v = item
             get_spec(name)  # unknown names raise here, with a suggestion
-            pairs.append((name, int(v)))
+            pairs.append((name, None if v is None else int(v)))  # None: zb-auto picks
             continue
         spec = get_spec(item)
         if spec.name == "interleaved":
@@ -193,9 +194,14 @@ def zb_auto_options(costs: CostModel, num_ranks: int, activation_bytes,
     one_chunk = Schedule("costs", 1, loop_placement(num_ranks, 1), [[] for _ in range(num_ranks)])
     cost = costs.per_stage(one_chunk)
     duration = action_durations(cost)
-    return {"t_f": duration[FORWARD], "t_i": duration[BACKWARD_INPUT],
-            "t_w": duration[BACKWARD_WEIGHT], "t_comm": cost["t_comm"],
-            "activation": activation_bytes, "memory_budget": memory_budget_bytes}
+    return {"t_f": _frozen(duration[FORWARD]), "t_i": _frozen(duration[BACKWARD_INPUT]),
+            "t_w": _frozen(duration[BACKWARD_WEIGHT]), "t_comm": _frozen(cost["t_comm"]),
+            "activation": _frozen(activation_bytes), "memory_budget": memory_budget_bytes}
+
+
+def _frozen(value):
+    """A list as a tuple: the options key the drop-in's cache of built schedules."""
+    return value if value is None or isinstance(value, (int, float)) else tuple(value)
 
 
 def _check_inputs(num_ranks, num_microbatches, activation_bytes, memory_budget_bytes,
@@ -283,6 +289,8 @@ def select_schedules(num_ranks: int, num_microbatches: int, costs: CostModel,
                 f"{format_bytes(memory_budget_bytes)} budget")))
             continue
         ranked.append(Ranked(name, v, timeline.makespan, timeline.bubble_fraction, peak_bytes))
-    ranked.sort(key=lambda r: (float(f"{r.makespan:.12g}"), r.peak_bytes, r.name, r.chunks))
+    # ties: the smaller peak, then a fixed order before zb-auto (which found the same), the name
+    ranked.sort(key=lambda r: (float(f"{r.makespan:.12g}"), r.peak_bytes, r.name == ZB_AUTO,
+                               r.name, r.chunks))
     return Selection(ranked, excluded, num_ranks, num_microbatches, costs, activation_bytes,
                      memory_budget_bytes, peaks, timelines)

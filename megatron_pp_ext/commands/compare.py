@@ -64,6 +64,13 @@ def candidates(args) -> list[tuple[str, int]]:
     return out
 
 
+def _as_built(selection, name: str, v: int | None) -> tuple[str, int | None]:
+    """(name, v) as the selection built it: zb-auto's v is the layout it chose."""
+    if v is not None:
+        return name, v
+    return next((key for key in selection.timelines if key[0] == name), (name, v))
+
+
 def run(args) -> int:
     argv = megatron_argv(args)
     if argv:
@@ -74,6 +81,7 @@ def run(args) -> int:
     pairs = candidates(args)
     selection = select_schedules(p, m, costs, activation_bytes=activation,
                                  memory_budget_bytes=float("inf"), candidates=pairs)
+    pairs = [_as_built(selection, name, v) for name, v in pairs]
     rows = _rows(selection, pairs, args.activation_mb is not None)
     left_out = list(selection.excluded)
     timelines = []

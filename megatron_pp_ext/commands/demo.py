@@ -48,6 +48,7 @@ def run(args) -> int:
                 raise  # at the defaults every schedule builds: a failure is a bug, exit 2
             skipped.append(f"{name}: {' '.join(str(exc).split())}")
             continue
+        v = schedule.chunks  # zb-auto's: the layout it chose
         timeline = simulate(schedule, CostModel(), validate=False)
         text = render_ascii(timeline)
         if v > 1:

@@ -8,8 +8,11 @@ with the selector (``analysis.select``) under the memory budget, broadcasts its 
 it with the predicted gain, and every later step runs the chosen schedule.
 
 Which schedules can be chosen depends on the model, which is built for one layout: one chunk
-per rank -> gpipe, 1f1b, zb-h1, zb-h2; V layout (rank 0 holds the first and the last stage)
--> zb-v, dualpipev; v chunks in Megatron's loop layout -> interleaved only (nothing to choose).
+per rank -> gpipe, 1f1b, zb-h1, zb-h2, zb-auto; V layout (rank 0 holds the first and the last
+stage) -> zb-v, dualpipev, v-half, v-min, zb-auto; v chunks in Megatron's loop layout ->
+interleaved only (nothing to choose). zb-auto is synthesized from the measured costs under the
+budget (``schedules.zb_auto``): auto profiles, then reschedules; rank 0's choice carries the
+options it was built with, so every rank builds the same order.
 
 Memory, in bytes: one microbatch's activation on each rank is MEASURED in the measuring step
 (``runtime/memory.py``: the bytes of the tensors autograd saved in one F of each of the
@@ -30,15 +33,20 @@ from dataclasses import dataclass, field, replace
 
 import torch.distributed as dist
 
-from ..analysis.select import format_bytes, select_schedules
+from ..analysis.select import format_bytes, select_schedules, zb_auto_options
 from ..analysis.simulate import CostModel
 from ..ir import Schedule
-from ..schedules import candidates_by_layout
+from ..schedules import AUTO_LAYOUT, candidates_by_layout, get_spec
+from ..schedules.zb_auto import NAME as ZB_AUTO
 from ..timeline import COMPUTE
 
 log = logging.getLogger("megatron_pp_ext")
 
-CANDIDATES = candidates_by_layout()  # {"one-chunk": (...), "v": (...), "loop": (...)}
+# {"one-chunk": (...), "v": (...), "loop": (...)}; zb-auto, which builds for either, pinned to
+# the model's layout (1 chunk: the loop layout; the V layout: 2)
+CANDIDATES = {layout: tuple((name, 2 if layout == "v" else 1)
+                            if get_spec(name).layout == AUTO_LAYOUT else name for name in names)
+              for layout, names in candidates_by_layout().items()}
 MEASURE_WITH = {"one-chunk": ("1f1b", {"split_backward": True}), "v": ("zb-v", {}),
                 "loop": ("interleaved", {})}
 
@@ -100,6 +108,9 @@ class AutoChoice:
     schedule: str
     reason: str
     predicted: dict = field(default_factory=dict)  # schedule -> predicted step time (s)
+    # what the schedule is built with: zb-auto's measured costs and budget, the same on every
+    # rank (rank 0's choice is broadcast), so every rank builds the same order
+    builder_options: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -124,7 +135,8 @@ class AutoSchedule:
         if self.choice is None and self.layout == "loop":  # one candidate: nothing to measure
             self.choice = AutoChoice("interleaved", "the model is chunked for interleaved only")
         if self.choice is not None:
-            return replace(options, schedule=self.choice.schedule), {}
+            return replace(options, schedule=self.choice.schedule), dict(
+                self.choice.builder_options)
         name, builder_options = MEASURE_WITH[self.layout]
         return replace(options, schedule=name, trace=True), dict(builder_options)
 
@@ -183,7 +195,9 @@ class AutoSchedule:
                   f"{baseline_name} {baseline * 1e3:.1f} ms ({gain:+.0%} faster) from measured "
                   f"costs [{per_rank}], {budget_text}"
                   + (f"; {excluded}" if excluded else ""))
-        return AutoChoice(best.name, reason, predicted)
+        built_with = (zb_auto_options(costs, schedule.num_ranks, activation, budget)
+                      if best.name == ZB_AUTO else {})
+        return AutoChoice(best.name, reason, predicted, built_with)
 
     def _memory(self, memories, schedule: Schedule) -> tuple[float, float | list]:
         budget = self.memory_budget_bytes

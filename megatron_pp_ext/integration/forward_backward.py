@@ -40,7 +40,7 @@ from ..runtime.errors import PipelineTimeoutError
 from ..runtime.executor import Executor, StepResult
 from ..runtime.transport import TorchDistTransport
 from ..runtime.wgrad import WeightGradSplit
-from ..schedules import AUTO, build_schedule, get_spec, schedule_layout
+from ..schedules import AUTO, AUTO_LAYOUT, build_schedule, get_spec, schedule_layout
 from ..timeline import Timeline
 from . import agreement
 from .auto import AutoSchedule
@@ -142,8 +142,15 @@ def schedule_for(options: PipelineOptions, p: int, m: int, num_chunks: int, forw
         v = options.chunks
     elif spec.layout == "v":
         v = 2
+    elif spec.layout == AUTO_LAYOUT:  # zb-auto builds for the model's layout
+        v = num_chunks
     else:  # interleaved takes v from the model; the one-chunk schedules need exactly 1
         v = num_chunks if spec.name == "interleaved" else spec.default_chunks
+    if spec.layout == AUTO_LAYOUT and v not in (1, 2):
+        raise ValueError(
+            f"schedule {options.schedule!r} builds for one model chunk per rank (the loop "
+            f"layout) or two (the V layout: rank r holds stages r and 2p-1-r), but the model "
+            f"holds {v}: build it with 1 or 2 chunks per rank")
     if spec.layout == "v" and v != 2:
         raise ValueError(
             f"schedule {options.schedule!r} is a V-shape schedule: it runs exactly v=2 model "

@@ -48,9 +48,11 @@ import os
 from typing import Any
 
 from ..ir import ScheduleError
-from ..schedules import (AUTO, REGISTRY, SHAPING_OPTIONS, ScheduleSpec, build_schedule,
+from ..schedules import (AUTO, AUTO_LAYOUT, REGISTRY, SHAPING_OPTIONS, ScheduleSpec,
+                         build_schedule,
                          is_schedule_file, load_schedule_file, resolve_schedule,
                          schedule_layout, schedule_names, takes_option)
+from .model_chunks import model_chunks as _model_chunks
 from .options import ENV_SCHEDULE, PipelineOptions
 
 GROUP_TITLE = "pipeline schedule (megatron-pp-ext)"
@@ -165,31 +167,6 @@ def add_pipeline_schedule_args(parser: argparse.ArgumentParser) -> argparse.Argu
     return parser
 
 
-def _model_chunks(args: Any) -> int:
-    """Model chunks per rank that Megatron builds from these (validated) arguments."""
-    if hasattr(args, "virtual_pipeline_model_parallel_size"):  # set by validate_args
-        return int(args.virtual_pipeline_model_parallel_size or 1)
-    # Not validated yet: derive it the way Megatron's validate_args does.
-    vp = getattr(args, "num_virtual_stages_per_pipeline_rank", None)
-    per_vstage = getattr(args, "num_layers_per_virtual_pipeline_stage", None)
-    pp = getattr(args, "pipeline_model_parallel_size", 1) or 1
-    layout = getattr(args, "pipeline_model_parallel_layout", None)
-    if layout:
-        from megatron.core.transformer.pipeline_parallel_layer_layout import (
-            PipelineParallelLayerLayout)
-
-        stages = PipelineParallelLayerLayout.get_num_stages_from_str(str(layout))
-        if stages % pp:
-            raise ValueError(f"--pipeline-model-parallel-layout {str(layout)!r} has {stages} "
-                             f"stages, not a multiple of --pipeline-model-parallel-size {pp} "
-                             "(Megatron's rule): give a multiple of pp stages")
-        return stages // pp
-    num_layers = getattr(args, "num_layers", None)
-    if vp is None and per_vstage and num_layers:
-        vp = num_layers // pp // per_vstage
-    return int(vp or 1)
-
-
 def _virtual_stage_source(args: Any) -> str:
     """The flag that made Megatron build several chunks per rank, as the user passed it."""
     layout = getattr(args, "pipeline_model_parallel_layout", None)
@@ -277,7 +254,12 @@ def _chunks_needed(name: str, spec: ScheduleSpec, args: Any, pp: int,
                    built: int) -> tuple[int, str]:
     """(model chunks per rank the schedule runs here, how to make Megatron build that many),
     the second for the errors that follow; refuses what the schedule's layout cannot run."""
-    if spec.layout == "v":
+    if spec.layout == AUTO_LAYOUT and built not in (1, 2):
+        raise ValueError(
+            f"--pipeline-schedule {name} builds for one model chunk per rank (the loop layout) "
+            f"or two (the V layout), but Megatron builds {built} ({_virtual_stage_source(args)}): "
+            "drop the virtual-pipeline flags, or give --num-virtual-stages-per-pipeline-rank 2")
+    if spec.layout_for(built) == "v":
         need = 2
         if getattr(args, "pipeline_model_parallel_layout", None):
             how = (f"{_virtual_stage_source(args)} must hold 2p = {2 * pp} stages, two per "

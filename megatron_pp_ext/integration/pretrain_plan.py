@@ -26,12 +26,15 @@ from ..analysis.simulate import CostModel, simulate
 from ..ir import Schedule
 from ..schedules import REGISTRY, build_schedule, is_schedule_file, load_schedule_file
 from ..schedules import schedule_layout
+from ..schedules._common import loop_placement, v_placement
+from ..schedules.zb_auto import NAME as ZB_AUTO
 from ..runtime.memory import predicted_peak_bytes
 from ..schedules.validate import peak_activations
 from ..timeline import Timeline
 from .activation_model import ActivationEstimate, activation_estimate
 from .gpus import DEFAULT_EFFICIENCY, Gpu, gpu_named
-from .megatron_args import _model_chunks, schedule_options_from_args
+from .megatron_args import schedule_options_from_args
+from .model_chunks import model_chunks as _model_chunks
 from .model_shape import model_shape
 from .plan_report import report as plan_report
 from .pretrain_args import (Sizes, derive_sizes, parse_pretrain_args, required_arg,
@@ -186,7 +189,8 @@ def plan_pretrain(argv: Sequence[str], schedule: str | None = None,
     file_schedule, layout, v = _schedule_source(name, options, sizes)
     num_layers = required_arg(args, "num_layers", "--num-layers")
     stages = _stages(args, name, num_layers, sizes.pp, v, layout)
-    built = file_schedule or _build(name, options, sizes, v)
+    # zb-auto is built for this model's costs and memory, once they are known (below)
+    built = file_schedule or (None if name == ZB_AUTO else _build(name, options, sizes, v))
     if sizes.pp > sizes.num_microbatches:
         notes.append(f"p={sizes.pp} > m={sizes.num_microbatches}: most ranks idle most of the "
                      "step; raise --global-batch-size so that m >= p")
@@ -202,9 +206,11 @@ def plan_pretrain(argv: Sequence[str], schedule: str | None = None,
         costs_text = costs_text or (
             f"each stage's F, I, W from its FLOPs at {efficiency:g} of the {device.name}'s "
             f"{'fp8' if shape.fp8 else 'bf16'} peak (assumed)")
+    budget = gpu_memory if gpu_memory is not None else (device.memory_bytes if device else None)
+    if built is None:
+        built = _synthesize(args, shape, stages, activations, sizes, v, stage_costs, budget)
     timeline = simulate(built, costs or CostModel(), validate=False)
     timeline.unit = unit
-    budget = gpu_memory if gpu_memory is not None else (device.memory_bytes if device else None)
     memory, rule = _rank_memory(args, shape, stages, built, activations, sizes, budget)
     return PretrainPlan(
         schedule=built, name=name, how_chosen=how, tp=sizes.tp, pp=sizes.pp, cp=sizes.cp,
@@ -241,7 +247,8 @@ def _rank_memory(args, shape, stages, schedule, activations, sizes: Sizes,
 def _schedule_source(name: str, options: dict, sizes: Sizes):
     """(the schedule file's schedule or None, its layout, its chunks per rank v)."""
     if name in REGISTRY:
-        return None, REGISTRY[name].layout, int(options.get("chunks") or 1)
+        v = int(options.get("chunks") or 1)
+        return None, REGISTRY[name].layout_for(v), v
     if not is_schedule_file(name):
         raise ValueError(f"plan takes a schedule name ({', '.join(REGISTRY)}) or a schedule "
                          f"file (.csv, .json), not {name!r}")
@@ -302,6 +309,31 @@ def _build(name: str, options: dict, sizes: Sizes, v: int) -> Schedule:
     except ValueError as exc:
         raise ValueError(f"{name} with p={pp}, m={m} (global batch {sizes.global_batch} / "
                          f"(micro batch {sizes.micro_batch} x dp {sizes.dp})), v={v}: "
+                         f"{exc}") from None
+
+
+def _synthesize(args, shape, stages, activations, sizes: Sizes, v: int,
+                stage_costs: dict | None, budget: int | None) -> Schedule:
+    """zb-auto for this model: each rank's share of F, I, W (its stages' FLOP-priced seconds
+    summed; unit costs per stage without a GPU), its stages' activation bytes, and what its
+    memory leaves for activations once its static bytes are in (1F1B's peak without a
+    budget)."""
+    placement = loop_placement(sizes.pp, 1) if v == 1 else v_placement(sizes.pp)
+    empty = Schedule(ZB_AUTO, sizes.num_microbatches, placement, [[] for _ in range(sizes.pp)])
+    per_stage = stage_costs or {kind: [1.0] * len(placement) for kind in ("t_f", "t_i", "t_w")}
+
+    def share(values) -> list[float]:
+        return [sum(values[s] for s in empty.stages_of(r)) for r in range(sizes.pp)]
+
+    options = {kind: share(per_stage[kind]) for kind in ("t_f", "t_i", "t_w")}
+    options["activation"] = share(activations.stage_bytes)
+    if budget is not None:
+        static, _ = _rank_memory(args, shape, stages, empty, activations, sizes, budget)
+        options["memory_budget"] = [max(0, budget - rank.static) for rank in static]
+    try:
+        return build_schedule(ZB_AUTO, sizes.pp, sizes.num_microbatches, v, **options)
+    except ValueError as exc:
+        raise ValueError(f"{ZB_AUTO} with p={sizes.pp}, m={sizes.num_microbatches}, v={v}: "
                          f"{exc}") from None
 
 

@@ -48,13 +48,13 @@ def select_pretrain(argv: Sequence[str], gpu: str | None, world_size: int | None
     argv = [str(a) for a in argv]
     layouts = candidates_by_layout()
     names = ([str(n).strip().lower() for n in candidates] if candidates else
-             [n for names in layouts.values() for n in names])
+             list(dict.fromkeys(n for names in layouts.values() for n in names)))
     ranked, too_big, excluded = [], [], []
-    for name in names:
+    for name, chunks in ((n, c) for n in names for c in _chunks_for(n, layouts)):
         try:
-            plan = plan_pretrain(_with_chunks(argv, _chunks_for(name, layouts)),
-                                 schedule=name, world_size=world_size, gpu=gpu,
-                                 gpu_memory=gpu_memory, efficiency=efficiency)
+            plan = plan_pretrain(_with_chunks(argv, chunks), schedule=name,
+                                 world_size=world_size, gpu=gpu, gpu_memory=gpu_memory,
+                                 efficiency=efficiency)
         except ValueError as exc:
             excluded.append((name, str(exc)))
             continue
@@ -64,13 +64,12 @@ def select_pretrain(argv: Sequence[str], gpu: str | None, world_size: int | None
     return PretrainSelection(ranked, too_big, excluded)
 
 
-def _chunks_for(name: str, layouts: dict) -> int | None:
-    """The chunks per rank the candidate runs (None: the arguments' own, for interleaved)."""
-    if name in layouts["v"]:
-        return 2
-    if name in layouts["one-chunk"]:
-        return 1
-    return None
+def _chunks_for(name: str, layouts: dict) -> tuple[int | None, ...]:
+    """The chunks per rank the candidate is planned with (None: the arguments' own, for
+    interleaved; zb-auto both ways: the loop layout and the V layout)."""
+    ways = tuple(chunks for key, chunks in (("one-chunk", 1), ("v", 2))
+                 if name in layouts[key])
+    return ways or (None,)
 
 
 def _with_chunks(argv: list[str], chunks: int | None) -> list[str]:

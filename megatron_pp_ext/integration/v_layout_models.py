@@ -35,9 +35,11 @@ from ..schedules import (
     schedule_layout,
 )
 from .. import device as device_helper
+from .model_chunks import model_chunks
 
 def uses_v_layout(args: Any) -> bool:
-    """Whether ``--pipeline-schedule`` asks for a V-layout schedule (zb-v, dualpipev)."""
+    """Whether ``--pipeline-schedule`` asks for a V-layout schedule (zb-v, dualpipev, v-half,
+    v-min; zb-auto when Megatron builds two chunks per rank)."""
     name = getattr(args, "pipeline_schedule", None)
     if not name:
         return False
@@ -48,7 +50,7 @@ def uses_v_layout(args: Any) -> bool:
         spec = REGISTRY[canonical_name(name)]
     except ValueError:  # auto, or not a schedule (install_from_args says so)
         return False
-    return spec.layout == "v"
+    return spec.layout_for(model_chunks(args)) == "v"  # zb-auto: V on two chunks
 
 
 def v_chunk_stage(pp_rank: int, pp_size: int, vp_stage: int) -> int:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..ir import ScheduleError
+from ..ir import FORWARD, Schedule, ScheduleError
 
 
 def require(condition: bool, schedule: str, message: str) -> None:
@@ -33,3 +33,11 @@ def loop_placement(num_ranks: int, chunks: int) -> tuple[int, ...]:
 def v_placement(num_ranks: int) -> tuple[int, ...]:
     """V layout: rank r holds stages r and 2p-1-r (rank 0 holds the first and the last)."""
     return tuple(list(range(num_ranks)) + list(reversed(range(num_ranks))))
+
+
+def forwards_only(schedule: Schedule) -> Schedule:
+    """The run Megatron makes for evaluation: every rank's forwards in the schedule's order
+    (dropping the backwards only removes waits, so it cannot deadlock)."""
+    return Schedule(schedule.name, schedule.num_microbatches, schedule.stage_to_rank,
+                    [[a for a in row if a.kind == FORWARD] for row in schedule.actions],
+                    {**schedule.options, "forward_only": True})

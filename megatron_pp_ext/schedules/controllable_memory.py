@@ -19,7 +19,7 @@ Layout: the V (rank r holds stages r and 2p-1-r).
 from __future__ import annotations
 
 from ..ir import Schedule
-from ._common import check_sizes, require, v_placement
+from ._common import check_sizes, forwards_only, require, v_placement
 from .timing import as_actions
 from .v_blocks import Block, block_orders
 
@@ -33,18 +33,23 @@ def v_min_block(p: int) -> Block:
 
 
 def _build(name: str, block: Block, num_ranks: int, num_microbatches: int,
-           chunks: int) -> Schedule:
+           chunks: int, forward_only: bool) -> Schedule:
     check_sizes(name, num_ranks, num_microbatches)
     require(chunks == 2, name, f"chunks v={chunks}: {name} runs the V layout, v = 2")
     rows = as_actions(block_orders(num_ranks, num_microbatches, block))
-    return Schedule(name, num_microbatches, v_placement(num_ranks), rows)
+    schedule = Schedule(name, num_microbatches, v_placement(num_ranks), rows, {"chunks": 2})
+    return forwards_only(schedule) if forward_only else schedule
 
 
-def build_v_half(num_ranks: int, num_microbatches: int, chunks: int = 2) -> Schedule:
+def build_v_half(num_ranks: int, num_microbatches: int, chunks: int = 2,
+                 forward_only: bool = False) -> Schedule:
     """V-Half: about half of 1F1B's activation memory, about half its bubble."""
-    return _build("v-half", v_half_block(num_ranks), num_ranks, num_microbatches, chunks)
+    return _build("v-half", v_half_block(num_ranks), num_ranks, num_microbatches, chunks,
+                  forward_only)
 
 
-def build_v_min(num_ranks: int, num_microbatches: int, chunks: int = 2) -> Schedule:
+def build_v_min(num_ranks: int, num_microbatches: int, chunks: int = 2,
+                forward_only: bool = False) -> Schedule:
     """V-Min: about a third of 1F1B's activation memory, about two thirds of its bubble."""
-    return _build("v-min", v_min_block(num_ranks), num_ranks, num_microbatches, chunks)
+    return _build("v-min", v_min_block(num_ranks), num_ranks, num_microbatches, chunks,
+                  forward_only)

@@ -136,8 +136,8 @@ class _Synthesis:
         self.window = [ranks - r for r in range(ranks)]
         # hoard: the W's rank r may keep, what its cap holds beyond that window
         per_microbatch = [sum(self.mem[s] for s in stages) or 1.0 for stages in self.stages_of]
-        self.hoard = [max(0, int(self.cap[r] / per_microbatch[r] + _EPS) - self.window[r])
-                      for r in range(ranks)]
+        self.hoard = [max(0, min(m, self.cap[r] / per_microbatch[r] + _EPS) - self.window[r])
+                      for r in range(ranks)]  # min(m, ...): no budget (inf) holds all m
         self.heap: list = []
 
     # ---- one rank's next decision ------------------------------------------------------
@@ -176,7 +176,7 @@ class _Synthesis:
             _, _, kind, stage = min(ready, key=lambda x: x[1])
             return t, kind, stage
         waiting_w = self.pending_w[rank]
-        if waiting_w and policy.hoard and len(waiting_w) <= self.hoard[rank] \
+        if waiting_w and policy.hoard and len(waiting_w) <= int(self.hoard[rank]) \
                 and not self._memory_bound(rank) and not self._only_w_left(rank):
             waiting_w = ()  # kept: the cooldown's gaps need them more than this one
         if inputs:

@@ -35,7 +35,7 @@ import math
 from typing import Sequence
 
 from ..ir import Schedule, ScheduleError
-from ._common import check_sizes, loop_placement, require, v_placement
+from ._common import check_sizes, forwards_only, loop_placement, require, v_placement
 from .controllable_memory import build_v_half, build_v_min
 from .dualpipev import build_dualpipev
 from .one_f_one_b import build_1f1b
@@ -61,7 +61,7 @@ REFINED = 2  # how many of each layout's fastest candidates are refined
 LARGE = 20_000
 
 
-def _per_rank(name: str, value, p: int) -> list[float]:
+def _per_rank(name: str, value, p: int, unbounded: bool = False) -> list[float]:
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         values = [float(value)] * p
     else:
@@ -71,8 +71,9 @@ def _per_rank(name: str, value, p: int) -> list[float]:
             values = []
         require(len(values) == p, NAME, f"{name}={value!r}: give one number or one per rank "
                 f"({p})")
-    require(all(x >= 0 and math.isfinite(x) for x in values), NAME,
-            f"{name}={value!r}: every value must be a finite number >= 0")
+    require(all(x >= 0 and (unbounded or math.isfinite(x)) for x in values), NAME,
+            f"{name}={value!r}: every value must be a {'' if unbounded else 'finite '}number "
+            ">= 0")
     return values
 
 
@@ -101,7 +102,7 @@ class _Layout:
 
 def build_zb_auto(num_ranks: int, num_microbatches: int, chunks: int | None = None,
                   t_f=1.0, t_i=1.0, t_w=1.0, t_comm=0.0, memory_budget=None, activation=1.0,
-                  effort: int = DEFAULT_EFFORT) -> Schedule:
+                  effort: int = DEFAULT_EFFORT, forward_only: bool = False) -> Schedule:
     """The fastest schedule found for these costs that fits ``memory_budget`` (see the
     module docstring). Raises ``ScheduleError`` when no candidate fits, naming the least
     memory any of them needs."""
@@ -116,7 +117,7 @@ def build_zb_auto(num_ranks: int, num_microbatches: int, chunks: int | None = No
     if memory_budget is None:
         cap = [p * activation[0]] * p  # 1F1B's peak, on rank 0
     else:
-        cap = _per_rank("memory_budget", memory_budget, p)
+        cap = _per_rank("memory_budget", memory_budget, p, unbounded=True)  # inf: no budget
     layouts = [name for name, v in (("loop", 1), ("v", 2)) if chunks in (None, v)]
     found, needs = [], []
     for layout in (_Layout(name, p, shares, comm, activation) for name in layouts):
@@ -128,17 +129,20 @@ def build_zb_auto(num_ranks: int, num_microbatches: int, chunks: int | None = No
                 makespan = result[0]
             peaks = [peak_memory(row, layout.memory) for row in orders]
             if any(peak > c * (1 + 1e-9) for peak, c in zip(peaks, cap)):
-                needs.append((max(pk / c if c else math.inf for pk, c in zip(peaks, cap)),
-                              label))
+                worst = max(range(p), key=lambda r: peaks[r] / cap[r] if cap[r] else math.inf)
+                needs.append((peaks[worst] / cap[worst] if cap[worst] else math.inf,
+                              peaks[worst], label))
                 continue
             found.append((makespan, max(peaks), len(found), label, layout, orders))
     if not found:
-        ratio, label = min(needs) if needs else (math.inf, "none")
+        ratio, need, label = min(needs) if needs else (math.inf, math.inf, "none")
+        given = activation[0] if len(set(activation)) == 1 else activation
+        amount = f"{need:.0f}" if need >= 1024 else f"{need:g}"  # bytes, or a count
         raise ScheduleError(
             f"{NAME}: no schedule fits memory_budget={memory_budget!r} (per rank, in the unit "
-            f"of activation={activation!r}) at p={p}, m={m}: the least any candidate needs is "
-            f"{ratio:.3g}x of it ({label}); raise the budget, lower the micro-batch size, or "
-            "recompute activations")
+            f"of activation={given!r}) at p={p}, m={m}: the least any candidate needs is "
+            f"{amount} ({label}), {ratio:.3g}x the budget; raise the budget, lower the "
+            "micro-batch size, or recompute activations")
     found.sort(key=lambda c: (round(c[0], 9), c[1], c[2]))
     best = found[0]
     for name in layouts:  # each layout's fastest, refined (unless the layout is large)
@@ -149,8 +153,9 @@ def build_zb_auto(num_ranks: int, num_microbatches: int, chunks: int | None = No
             if span < best[0] - 1e-9:
                 best = (span, peak, order, f"{label}, refined", layout, refined)
     makespan, _, _, label, layout, orders = best
-    return Schedule(NAME, m, layout.owner, as_actions(orders),
-                    {"synthesized_from": label, "predicted_makespan": round(makespan, 9)})
+    schedule = Schedule(NAME, m, layout.owner, as_actions(orders),
+                        {"synthesized_from": label, "predicted_makespan": round(makespan, 9)})
+    return forwards_only(schedule) if forward_only else schedule
 
 
 def _candidates(layout: _Layout, p: int, m: int, cap: Sequence[float]):

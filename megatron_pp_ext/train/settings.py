@@ -7,6 +7,8 @@ which loads torch: a second more, for that case only.)
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import asdict, dataclass
 
 from ..ir import Schedule, ScheduleError
@@ -25,6 +27,12 @@ from ..integration.options import PipelineOptions
 
 # the command-line flags the settings' fields come from, as errors name them
 _FLAGS = {"pp": "-p/--ranks", "microbatches": "-m/--microbatches"}
+
+
+@functools.lru_cache(maxsize=8)
+def _chunks_it_picks(name: str, pp: int, microbatches: int) -> int:
+    """zb-auto's chunks per rank at unit costs (the layout it builds when not told)."""
+    return build_schedule(name, pp, microbatches).chunks
 
 
 @dataclass(frozen=True)
@@ -97,6 +105,8 @@ class TrainSettings:
         if self.is_async:
             return 1 if self.chunks is None else self.chunks
         spec = get_spec(self.first_schedule)
+        if self.chunks is None and spec.default_chunks is None:  # zb-auto: the layout it picks
+            return _chunks_it_picks(spec.name, self.pp, self.microbatches)
         return spec.default_chunks if self.chunks is None else self.chunks
 
     @property
@@ -107,7 +117,7 @@ class TrainSettings:
             return schedule_layout(self.file_schedule())
         if self.is_async:
             return "loop"
-        return get_spec(self.first_schedule).layout
+        return get_spec(self.first_schedule).layout_for(self.v)
 
     @property
     def vp_size(self) -> int | None:
@@ -162,7 +172,8 @@ class TrainSettings:
         if self.chunks is not None and self.chunks < 1:
             raise ValueError(f"--chunks {self.chunks} must be >= 1")
         if spec is not None and not spec.allowed_chunks(self.v):
-            rule = {"v": "2 (the V layout)", "loop": "1"}[spec.layout]
+            rule = {"v": "2 (the V layout)", "loop": "1",
+                    "auto": "1 (the loop layout) or 2 (the V layout)"}[spec.layout]
             if spec.name == "interleaved":
                 rule = ">= 2"
             raise ValueError(f"--chunks {self.v} does not fit {self.schedule}: it needs {rule}")
