@@ -88,7 +88,7 @@ def test_train_1f1b_and_zb_v(tmp_path):
 
     proc = runs[3]
     auto = _check_run(tmp_path / "auto", proc, "auto", 1, 3)
-    assert auto["auto_choice"] in ("gpipe", "1f1b", "zb-h1", "zb-h2")
+    assert auto["auto_choice"] in ("gpipe", "1f1b", "zb-h1", "zb-h2", "zb-auto")
     said = [line for line in proc.stdout.splitlines() if line.startswith("auto: chose ")]
     assert len(said) == 1 and auto["auto_choice"] in said[0] and "faster" in said[0]
     assert auto["losses"] == pytest.approx(summary["losses"], rel=1e-4)  # switched, same training
