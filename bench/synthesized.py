@@ -236,16 +236,15 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     sizes = [(4, 16)] if args.quick else [(4, 16), (8, 32)]
     reps = args.reps or (2 if args.quick else 3)
-    from bench.provenance import provenance
+    from bench.provenance import current, finish, short
 
-    started = time.time()
+    started, prov = time.perf_counter(), current(argv)
     results = [run(p, m, reps) for p, m in sizes]
-    record = {"provenance": provenance(sys.argv), "seconds": time.time() - started,
-              "results": results}
+    prov = finish(prov, started)
     out = Path(args.out)
-    out.with_suffix(".json").write_text(json.dumps(record, indent=1))
-    lines = ["# Schedules built for costs and memory (bench g)", "",
-             f"`{' '.join(['.venv/bin/python', 'bench/synthesized.py', *(argv or sys.argv[1:])])}`", ""]
+    out.with_suffix(".json").write_text(json.dumps({"provenance": prov, "results": results},
+                                                   indent=1))
+    lines = ["# Schedules built for costs and memory (bench g)", "", short(prov), ""]
     for result in results:
         lines += markdown(result)
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")

@@ -43,7 +43,7 @@ from .refine import refine
 from .synthesis import POLICIES, synthesize
 from .timing import as_actions, as_orders, peak_memory, play
 from .v_blocks import Block, block_orders
-from .zb_v import build_zb_v
+from .zb_v import build_zb_v, published_zb_v_orders
 from .zero_bubble import build_zb_h1, build_zb_h2
 
 NAME = "zb-auto"
@@ -167,6 +167,8 @@ def _candidates(layout: _Layout, p: int, m: int, cap: Sequence[float]):
                                   .actions), None
         except ScheduleError:
             continue  # e.g. a builder's own size rule
+    if layout.name == "v":
+        yield "the published ZB-V", published_zb_v_orders(p, m), None
     large = layout.large(m)
     for policy in POLICIES[:3] if large else POLICIES:
         result = synthesize(layout.owner, m, layout.durations, layout.comm, layout.memory,

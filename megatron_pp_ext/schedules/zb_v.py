@@ -87,3 +87,55 @@ def build_zb_v(num_ranks: int, num_microbatches: int, chunks: int = 2,
     if lead != p:
         options["warmup_forwards"] = lead
     return Schedule("zb-v", m, placement, rows, options)
+
+
+def published_zb_v_orders(num_ranks: int, num_microbatches: int) -> list[list[tuple]]:
+    """The ZB-V order as the paper draws it (Qi et al. 2024, figure 4; torch.pipelining's
+    ZBVZeroBubble writes the same), per rank as ``(stage, kind, microbatch)``: rank r runs
+    2(p-r)-1 chunk-0 forwards, r pairs (chunk-1 F, chunk-0 F), p-r chunk-1 (F, I, W), then
+    (chunk-0 F, I, W; chunk-1 F, I, W) until its forwards are done, then r pairs of the two
+    I's, p-r chunk-0 (I, W), and the W's left. Built for at least 2p-1 microbatches and cut
+    to m. zb-auto's candidate (it keeps 1F1B's peak on every rank and fills rank 0's wait for
+    its first chunk-1 forward with chunk-0 forwards: where messages take time it can beat
+    ``zb-v``'s interleaving, which the executor needs no in-order matching for)."""
+    p, m = num_ranks, num_microbatches
+    n = max(2 * p - 1, m)
+    rows = []
+    for r in range(p):
+        a, b = r, 2 * p - 1 - r
+        count = {key: 0 for key in ("f0", "f1", "i0", "i1", "w0", "w1")}
+        row = []
+
+        def emit(key, stage, kind):
+            row.append((stage, kind, count[key]))
+            count[key] += 1
+
+        for _ in range(2 * (p - r) - 1):
+            emit("f0", a, F)
+        for _ in range(r):
+            emit("f1", b, F)
+            emit("f0", a, F)
+        for _ in range(p - r):
+            emit("f1", b, F)
+            emit("i1", b, I)
+            emit("w1", b, "W")
+        while count["f1"] < count["f0"] or count["f0"] < n:
+            if count["f0"] < n:
+                emit("f0", a, F)
+            emit("i0", a, I)
+            emit("w0", a, "W")
+            emit("f1", b, F)
+            emit("i1", b, I)
+            emit("w1", b, "W")
+        for _ in range(r):
+            emit("i0", a, I)
+            emit("i1", b, I)
+        for _ in range(p - r):
+            emit("i0", a, I)
+            emit("w0", a, "W")
+        while count["w1"] < count["i1"]:
+            emit("w1", b, "W")
+        while count["w0"] < count["i0"]:
+            emit("w0", a, "W")
+        rows.append([action for action in row if action[2] < m])
+    return rows
