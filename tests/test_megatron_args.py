@@ -229,9 +229,22 @@ def test_training_loop_gets_the_plugin_function(monkeypatch, schedule, extra, vp
     assert training.get_forward_backward_func(pp_size=4, vp_size=vp) is megatron_fn
 
 
-def test_auto_is_accepted_and_installs_the_auto_schedule():
+def test_auto_is_accepted_and_installs_the_auto_schedule(monkeypatch):
     options = schedule_options_from_args(_args(pipeline_schedule="auto"))
-    assert options == {"schedule": "auto", "p2p_timeout_s": None, "trace": False}
+    assert options == {"schedule": "auto", "p2p_timeout_s": None, "trace": False,
+                       "auto_memory_budget_bytes": None}
+    # --pp-memory-budget: auto's budget, in bytes (a size with a unit), refused elsewhere
+    parsed = _plain_parser(monkeypatch).parse_args(["--pipeline-schedule", "auto",
+                                                    "--pp-memory-budget", "2GiB"])
+    assert parsed.pp_memory_budget == 2 * 1024 ** 3
+    options = schedule_options_from_args(_args(pipeline_schedule="auto",
+                                                pp_memory_budget=2 * 1024 ** 3))
+    assert options["auto_memory_budget_bytes"] == 2 * 1024 ** 3
+    with pytest.raises(ValueError, match="--pp-memory-budget is auto's budget.*"
+                                         "--pipeline-schedule zb-auto takes none"):
+        schedule_options_from_args(_args(pipeline_schedule="zb-auto", pp_memory_budget=1e9))
+    with pytest.raises(SystemExit):
+        _plain_parser(monkeypatch).parse_args(["--pp-memory-budget", "lots"])
 
 
 # --- names in any case, PyTorch's names, and schedule files ----------------------------------

@@ -47,6 +47,7 @@ import argparse
 import os
 from typing import Any
 
+from ..analysis.select import parse_size
 from ..ir import ScheduleError
 from ..schedules import (AUTO, AUTO_LAYOUT, REGISTRY, SHAPING_OPTIONS, ScheduleSpec,
                          build_schedule,
@@ -86,6 +87,17 @@ def resolve_schedule_value(value: str) -> str:
     if is_schedule_file(value):
         load_schedule_file(value)  # unreadable or invalid: ScheduleError, naming the file
     return resolve_schedule(value)
+
+
+def _size(text: str) -> float:
+    """Bytes from ``20GiB``, ``512MiB``, ``3000000`` (``analysis.select.parse_size``)."""
+    try:
+        value = parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
 
 
 def _positive(kind):
@@ -133,6 +145,12 @@ def add_pipeline_schedule_args(parser: argparse.ArgumentParser) -> argparse.Argu
         help="zb-v: chunk-0 forwards each rank runs before its first chunk-1 input gradient, "
         "p (default: 1F1B's activation memory) to 2p-1 (ZB-H2's memory: rank 0 never waits "
         "in the warm-up, so with --pp-run-ahead consecutive steps overlap).",
+    )
+    group.add_argument(
+        "--pp-memory-budget", type=_size, default=None, metavar="SIZE",
+        help="auto: bytes per rank its choice may spend on activations (e.g. 20GiB; default on "
+        "GPUs: the device memory free after the measuring step). The schedules that fit are "
+        "ranked, zb-auto synthesized under it from the measured costs and activation bytes.",
     )
     group.add_argument(
         "--pp-p2p-timeout-s", type=_positive(float), default=None,
@@ -242,8 +260,8 @@ def _refuse_unfit_microbatches(name: str, args: Any, chunks: int, options: dict)
 def _refuse_plugin_flags_without_schedule(args: Any) -> None:
     """The plugin's own flags do nothing without --pipeline-schedule: say so rather than
     ignore them."""
-    for flag in ("pp_post_validate", "pp_run_ahead"):
-        if getattr(args, flag, False):
+    for flag in ("pp_post_validate", "pp_run_ahead", "pp_memory_budget"):
+        if getattr(args, flag, None):
             dashed = "--" + flag.replace("_", "-")
             raise ValueError(
                 f"{dashed} is a megatron-pp-ext option: add --pipeline-schedule NAME "
@@ -338,7 +356,13 @@ def schedule_options_from_args(args: Any) -> dict | None:
     if name == AUTO:  # the candidates follow from how Megatron chunks the model
         return _with_post_validation(
             dict(schedule=AUTO, p2p_timeout_s=getattr(args, "pp_p2p_timeout_s", None),
-                 trace=bool(getattr(args, "pp_trace", False))), args)
+                 trace=bool(getattr(args, "pp_trace", False)),
+                 auto_memory_budget_bytes=getattr(args, "pp_memory_budget", None)), args)
+    if getattr(args, "pp_memory_budget", None):
+        raise ValueError(
+            f"--pp-memory-budget is auto's budget: it measures the activation bytes the budget "
+            f"is held to; --pipeline-schedule {name} takes none (use --pipeline-schedule auto, "
+            "which ranks zb-auto synthesized under it among the schedules that fit)")
     spec = REGISTRY[name]
     pp = getattr(args, "pipeline_model_parallel_size", 1) or 1
     built = _model_chunks(args)

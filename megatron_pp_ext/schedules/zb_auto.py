@@ -25,7 +25,7 @@ hold (one number or one per rank, same unit); by default 1F1B's peak: p activati
 
 Cost of the search, per layout of A actions: the fixed builders, the 8 policies and up to 3
 blocks, each O(A log p), one play each, then at most ``effort`` action-plays of refinement
-for each of the 2 fastest; above ``LARGE`` actions, 3 policies, 1 block and no refinement.
+for each of the 2 fastest; above ``LARGE`` actions, 2 policies, 1 block and no refinement.
 p = 32, m = 256 with both layouts: docs/choosing-a-schedule.md has the measured time.
 """
 
@@ -56,7 +56,7 @@ DEFAULT_EFFORT = 500_000
 #: the builder options that shape zb-auto (and only zb-auto)
 ZB_AUTO_OPTIONS = ("t_f", "t_i", "t_w", "t_comm", "memory_budget", "activation", "effort")
 REFINED = 2  # how many of each layout's fastest candidates are refined
-#: above this many actions per layout the search narrows: the first 3 policies, one block,
+#: above this many actions per layout the search narrows: the first 2 policies, one block,
 #: no refinement (the fill and the drain it improves are a small part of a long step)
 LARGE = 20_000
 
@@ -170,7 +170,7 @@ def _candidates(layout: _Layout, p: int, m: int, cap: Sequence[float]):
     if layout.name == "v":
         yield "the published ZB-V", published_zb_v_orders(p, m), None
     large = layout.large(m)
-    for policy in POLICIES[:3] if large else POLICIES:
+    for policy in POLICIES[:2] if large else POLICIES:
         result = synthesize(layout.owner, m, layout.durations, layout.comm, layout.memory,
                             cap, policy)
         if result is not None:  # its makespan is play's: the same timing rule
