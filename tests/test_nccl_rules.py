@@ -199,8 +199,10 @@ def _run_as_lowered(schedule, where: str, delays=None):
 
 @pytest.mark.parametrize("name", SCHEDULES)
 def test_every_schedule_runs_on_the_nccl_rules_fabric(name):
-    """The whole matrix p 1..8 x m 1..16 (v as the schedule needs)."""
-    runs, sizes = 0, [(p, m) for p in range(1, 9) for m in range(1, 17)]
+    """p 1..8 x m in (1, 2, 3, 4, 5, 8, 12, 16) (v as the schedule needs): m below, at and
+    above p for every p, odd and even; the lowered program of every m 1..16 (and 20, 24, 32)
+    is checked against NCCL's rules by test_every_builder_passes_nccls_rules_for_every_size."""
+    runs, sizes = 0, [(p, m) for p in range(1, 9) for m in (1, 2, 3, 4, 5, 8, 12, 16)]
     for p, m in sizes:
         schedule = _build(name, p, m)
         if schedule is None:
@@ -237,15 +239,16 @@ def test_the_schedules_built_for_costs_and_memory_run_on_the_nccl_rules_fabric(n
 
 
 def test_zb_v_with_the_longest_warmup_runs_on_the_nccl_rules_fabric():
-    """zb-v with warmup_forwards = 2p-1 (the back-to-back form), p 1..8 x m 1..16: it passes
-    NCCL's rules and every step posts the checked program, runs the lists and equals pp=1."""
+    """zb-v with warmup_forwards = 2p-1 (the back-to-back form), p 1..8 x m in (1, 2, 3, 4, 5,
+    8, 12, 16): it passes NCCL's rules and every step posts the checked program, runs the lists
+    and equals pp=1."""
     runs = 0
     for p in range(1, 9):
-        for m in range(1, 17):
+        for m in (1, 2, 3, 4, 5, 8, 12, 16):
             schedule = build_schedule("zb-v", p, m, 2, warmup_forwards=max(p, 2 * p - 1))
             _run_as_lowered(schedule, f"zb-v warmup_forwards={2 * p - 1} p={p} m={m}")
             runs += 1
-    assert runs == 128
+    assert runs == 64
 
 
 def test_random_delays_on_the_nccl_rules_fabric():
