@@ -181,3 +181,20 @@ def test_the_published_zb_v_is_torchs_zbvzerobubble_order(p, m):
     ours = [[f"{stage}{kind}{mb}" for stage, kind, mb in row]
             for row in published_zb_v_orders(p, m)]
     assert ours == theirs
+
+
+def test_zb_auto_prices_the_runtime_overhead_per_action_as_the_simulator_does():
+    """With --t-overhead (what posting messages costs every F and I, per action whatever v),
+    zb-auto's own prediction is the simulator's, in both layouts: the V layout's twice as
+    many actions pay it twice as often."""
+    costs = CostModel(t_f=[1, 1, 1, 1.4], t_i=1, t_w=1, t_comm=0.2, t_overhead=0.15)
+    selection = select_schedules(4, 12, costs, activation_bytes=1, memory_budget_bytes=4,
+                                 candidates=[("zb-auto", 1), ("zb-auto", 2)])
+    assert {r.chunks for r in selection.ranked} == {1, 2}
+    for ranked in selection.ranked:
+        from megatron_pp_ext.analysis.select import zb_auto_options
+
+        schedule = build_schedule("zb-auto", 4, 12, ranked.chunks,
+                                  **zb_auto_options(costs, 4, 1, 4))
+        assert schedule.options["predicted_makespan"] == pytest.approx(ranked.makespan)
+        assert simulate(schedule, costs).makespan == pytest.approx(ranked.makespan)

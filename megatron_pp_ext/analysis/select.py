@@ -60,13 +60,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable, NamedTuple, Sequence
 
-from ..ir import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Schedule, ScheduleError
+from ..ir import Schedule, ScheduleError
 from ..schedules import REGISTRY, build_schedule, get_spec
 from ..schedules._common import loop_placement
 from ..schedules.zb_auto import NAME as ZB_AUTO
 from ..timeline import Timeline
 from .costs import activations_in_v1_units
-from .simulate import RANK, CostModel, action_durations, simulate
+from .simulate import RANK, CostModel, simulate
 
 MiB = 1024 * 1024
 
@@ -189,13 +189,13 @@ def candidate_list(candidates: Iterable | None, chunks_options: Sequence[int]) -
 
 def zb_auto_options(costs: CostModel, num_ranks: int, activation_bytes,
                     memory_budget_bytes) -> dict:
-    """zb-auto's builder options for a selection's inputs: each rank's F, I, W (its share,
-    the runtime's overhead on F and I folded in), message time, activation and budget."""
+    """zb-auto's builder options for a selection's inputs: each rank's share of F, I, W,
+    message time and runtime overhead (as ``costs`` has them), activation and budget."""
     one_chunk = Schedule("costs", 1, loop_placement(num_ranks, 1), [[] for _ in range(num_ranks)])
     cost = costs.per_stage(one_chunk)
-    duration = action_durations(cost)
-    return {"t_f": _frozen(duration[FORWARD]), "t_i": _frozen(duration[BACKWARD_INPUT]),
-            "t_w": _frozen(duration[BACKWARD_WEIGHT]), "t_comm": _frozen(cost["t_comm"]),
+    return {"t_f": _frozen(cost["t_f"]), "t_i": _frozen(cost["t_i"]),
+            "t_w": _frozen(cost["t_w"]), "t_comm": _frozen(cost["t_comm"]),
+            "t_overhead": _frozen(cost["t_overhead"]),
             "activation": _frozen(activation_bytes), "memory_budget": memory_budget_bytes}
 
 

@@ -18,7 +18,9 @@ smaller peak, then the candidates' order above). Deterministic: the same inputs 
 schedule on every rank, which builds it locally.
 
 Costs are a rank's share of one microbatch (``t_f``, ``t_i``, ``t_w``: one number or one per
-rank; a V rank's share splits evenly over its two chunks), ``t_comm`` a message's time.
+rank; a V rank's share splits evenly over its two chunks), ``t_comm`` a message's time,
+``t_overhead`` what the runtime adds to every F and I (per action, whatever v: the V layout's
+twice as many actions pay it twice as often), as ``analysis.simulate.CostModel`` has them.
 Memory: ``activation`` is what one microbatch's F leaves alive on a rank's whole layers (one
 number or one per rank: bytes, or 1 to count microbatches), ``memory_budget`` what a rank may
 hold (one number or one per rank, same unit); by default 1F1B's peak: p activations of rank 0.
@@ -54,7 +56,8 @@ FIXED = {"loop": (("1f1b", build_1f1b), ("zb-h1", build_zb_h1), ("zb-h2", build_
 #: costs A; about a microsecond each)
 DEFAULT_EFFORT = 500_000
 #: the builder options that shape zb-auto (and only zb-auto)
-ZB_AUTO_OPTIONS = ("t_f", "t_i", "t_w", "t_comm", "memory_budget", "activation", "effort")
+ZB_AUTO_OPTIONS = ("t_f", "t_i", "t_w", "t_comm", "t_overhead", "memory_budget", "activation",
+                   "effort")
 REFINED = 2  # how many of each layout's fastest candidates are refined
 #: above this many actions per layout the search narrows: the first 2 policies, one block,
 #: no refinement (the fill and the drain it improves are a small part of a long step)
@@ -80,11 +83,15 @@ def _per_rank(name: str, value, p: int, unbounded: bool = False) -> list[float]:
 class _Layout:
     """One layout's per-stage costs and memory."""
 
-    def __init__(self, layout: str, p: int, shares: dict, comm: list, activation: list):
+    def __init__(self, layout: str, p: int, shares: dict, comm: list, activation: list,
+                 overhead: list):
         self.name = layout
         self.owner = loop_placement(p, 1) if layout == "loop" else v_placement(p)
         v = len(self.owner) // p
-        self.durations = {kind: [shares[kind][r] / v for r in self.owner] for kind in "FIW"}
+        # a rank's share splits over its chunks; the runtime's overhead is paid per F and I
+        # (posting their messages), whatever v: the simulator's rule (CostModel.t_overhead)
+        self.durations = {kind: [shares[kind][r] / v + (overhead[r] if kind != "W" else 0.0)
+                                 for r in self.owner] for kind in "FIW"}
         self.durations["B"] = [i + w for i, w in zip(self.durations["I"], self.durations["W"])]
         self.comm = [comm[r] for r in self.owner]
         self.memory = [activation[r] / v for r in self.owner]
@@ -102,7 +109,8 @@ class _Layout:
 
 def build_zb_auto(num_ranks: int, num_microbatches: int, chunks: int | None = None,
                   t_f=1.0, t_i=1.0, t_w=1.0, t_comm=0.0, memory_budget=None, activation=1.0,
-                  effort: int = DEFAULT_EFFORT, forward_only: bool = False) -> Schedule:
+                  effort: int = DEFAULT_EFFORT, forward_only: bool = False,
+                  t_overhead=0.0) -> Schedule:
     """The fastest schedule found for these costs that fits ``memory_budget`` (see the
     module docstring). Raises ``ScheduleError`` when no candidate fits, naming the least
     memory any of them needs."""
@@ -113,6 +121,7 @@ def build_zb_auto(num_ranks: int, num_microbatches: int, chunks: int | None = No
     shares = {"F": _per_rank("t_f", t_f, p), "I": _per_rank("t_i", t_i, p),
               "W": _per_rank("t_w", t_w, p)}
     comm = _per_rank("t_comm", t_comm, p)
+    overhead = _per_rank("t_overhead", t_overhead, p)
     activation = _per_rank("activation", activation, p)
     if memory_budget is None:
         cap = [p * activation[0]] * p  # 1F1B's peak, on rank 0
@@ -120,7 +129,7 @@ def build_zb_auto(num_ranks: int, num_microbatches: int, chunks: int | None = No
         cap = _per_rank("memory_budget", memory_budget, p, unbounded=True)  # inf: no budget
     layouts = [name for name, v in (("loop", 1), ("v", 2)) if chunks in (None, v)]
     found, needs = [], []
-    for layout in (_Layout(name, p, shares, comm, activation) for name in layouts):
+    for layout in (_Layout(name, p, shares, comm, activation, overhead) for name in layouts):
         for label, orders, makespan in _candidates(layout, p, m, cap):
             if makespan is None:  # the list scheduler knows its own; the others are played
                 result = play(layout.owner, orders, layout.durations, layout.comm)
