@@ -3,21 +3,21 @@
 Played under the costs (``timing.play``), a rank that waits before an action leaves a gap.
 A move takes one of the next ``window`` actions of that rank and runs it in the gap, i.e.
 just before the action that waited; or, where an action's input was there but a W held the
-rank, runs that W just after the action instead. A move is kept when the makespan drops, or stays and the sum
-of all end times drops (which frees the way for a later move), when the rank's activation
-peak stays within its cap, and each stage's forwards, input gradients and weight gradients
-keep their microbatch order and an F its I and its W. Every kept move is a schedule that
-runs: ``play`` refuses one where some rank can never go on. The search stops at the first
-cycle over the ranks without a kept move or when ``budget`` action-plays are spent (a play of A actions
-costs A), so it is deterministic and its cost is bounded whatever the size.
+rank, runs that W just after the action instead. A move is kept when the makespan drops (or
+stays and the sum of all end times drops, which frees the way for a later move), the rank's
+activation peak stays within its cap, and each stage's forwards, input gradients and weight
+gradients keep their microbatch order and an F its I and its W. Every kept move is a schedule
+that runs: ``play`` refuses one where some rank can never go on. The search stops after a
+cycle over the ranks without a kept move, or when ``budget`` action-plays are spent (a play of
+A actions costs A): deterministic, and bounded whatever the size.
 """
 
 from __future__ import annotations
 
 from typing import Sequence
 
-from ..ir import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD
-from .timing import Order, compile_row, play
+from ..ir import BACKWARD_WEIGHT, FORWARD
+from .timing import Order, compile_row, live_after, play
 
 _EPS = 1e-9
 
@@ -51,11 +51,6 @@ def refine(owner: Sequence[int], orders: Sequence[Order], durations: dict,
     return orders, best
 
 
-def _key(action):
-    stage, kind, mb = action
-    return ("G" if kind in (BACKWARD, BACKWARD_INPUT) else kind, stage, mb)
-
-
 def _may_move_before(row: Order, i: int, j: int) -> bool:
     """Whether ``row[j]`` may run before ``row[i:j]``: none of them is an earlier microbatch
     of its stage and kind, or its own F or I."""
@@ -64,19 +59,6 @@ def _may_move_before(row: Order, i: int, j: int) -> bool:
         if other_stage == stage and (other_kind == kind or other_mb == mb):
             return False
     return True
-
-
-def _live_after(row: Order, stage_memory) -> list[float]:
-    """The activation memory the rank holds after each action (``peak_memory``'s rule)."""
-    freed = {(s, mb) for s, k, mb in row if k in (BACKWARD, BACKWARD_WEIGHT)}
-    out, live = [], 0.0
-    for stage, kind, mb in row:
-        if kind == FORWARD and (stage, mb) in freed:
-            live += stage_memory[stage]
-        elif kind in (BACKWARD, BACKWARD_WEIGHT):
-            live -= stage_memory[stage]
-        out.append(live)
-    return out
 
 
 def _fill_a_gap(owner, orders, compiled, rank, start, end, durations, t_comm, stage_memory,
@@ -98,14 +80,14 @@ def _fill_a_gap(owner, orders, compiled, rank, start, end, durations, t_comm, st
         return None
 
     for i, action in enumerate(row):
-        key = _key(action)
+        key, dep, comm, _ = compiled[rank][i]
         if start[key] > free + _EPS:
             for j in range(i + 1, min(len(row), i + window)):
                 if not _may_move_before(row, i, j):
                     continue
                 moved = row[j]
                 if moved[1] == FORWARD:  # held from here on: every slot it passes holds more
-                    live = live or _live_after(row, stage_memory)
+                    live = live or live_after(row, stage_memory)
                     before = live[i - 1] if i else 0.0
                     if max([before] + live[i:j]) + stage_memory[moved[0]] > cap + _EPS:
                         continue
@@ -115,11 +97,11 @@ def _fill_a_gap(owner, orders, compiled, rank, start, end, durations, t_comm, st
                 kept = trial(row[:i] + [moved] + row[i:j] + row[j + 1:])
                 if kept is not None:
                     return spent, kept
-        elif i and row[i - 1][1] == BACKWARD_WEIGHT and \
-                _arrival(action, owner, end, t_comm) < start[key] - _EPS:
+        elif i and row[i - 1][1] == BACKWARD_WEIGHT and dep is not None and \
+                end[dep] + comm < start[key] - _EPS:
             # the input was there and a W held the rank: run the W after this action instead
             w = row[i - 1]
-            live = live or _live_after(row, stage_memory)
+            live = live or live_after(row, stage_memory)
             held = live[i - 1] + stage_memory[w[0]]  # the W's memory, kept one action longer
             if action[1] == FORWARD:
                 held += stage_memory[action[0]]
@@ -130,17 +112,3 @@ def _fill_a_gap(owner, orders, compiled, rank, start, end, durations, t_comm, st
                     return spent, kept
         free = end[key]
     return spent, None
-
-
-def _arrival(action, owner, end, t_comm) -> float:
-    """When ``action``'s input from another stage is there (0 when it has none)."""
-    stage, kind, mb = action
-    if kind == FORWARD:
-        dep = (FORWARD, stage - 1, mb) if stage > 0 else None
-    elif kind in (BACKWARD, BACKWARD_INPUT) and stage < len(owner) - 1:
-        dep = ("G", stage + 1, mb)
-    else:
-        return 0.0
-    if dep is None:
-        return 0.0
-    return end[dep] + (t_comm[dep[1]] if owner[dep[1]] != owner[stage] else 0.0)

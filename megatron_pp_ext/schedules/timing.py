@@ -86,15 +86,20 @@ def play(owner: Sequence[int], orders: Sequence[Order], durations: dict[str, Seq
     return max(free, default=0.0), start, end
 
 
-def peak_memory(order: Order, stage_memory: Sequence[float]) -> float:
-    """The most activation memory ``order`` holds at once on its rank: an F's activation
-    lives until its W (or its B) ends (``validate.activation_trace``)."""
+def live_after(order: Order, stage_memory: Sequence[float]) -> list[float]:
+    """The activation memory a rank holds after each action of ``order``: an F's activation
+    lives until its W (or its B) ends (``validate.activation_trace``'s rule, weighted)."""
     freed = {(s, mb) for s, k, mb in order if k in (BACKWARD, BACKWARD_WEIGHT)}
-    live = peak = 0.0
+    out, live = [], 0.0
     for stage, kind, mb in order:
         if kind == FORWARD and (stage, mb) in freed:
             live += stage_memory[stage]
-            peak = max(peak, live)
         elif kind in (BACKWARD, BACKWARD_WEIGHT):
             live -= stage_memory[stage]
-    return peak
+        out.append(live)
+    return out
+
+
+def peak_memory(order: Order, stage_memory: Sequence[float]) -> float:
+    """The most activation memory ``order`` holds at once on its rank (``live_after``)."""
+    return max(live_after(order, stage_memory), default=0.0)

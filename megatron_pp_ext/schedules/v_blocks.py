@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from ..ir import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD
 from ._common import require
+from .timing import peak_memory
 
 Slot = tuple[int, str, int]  # (stage, kind, microbatch): an action, as the searches hold it
 
@@ -178,14 +179,6 @@ def order_with_weights(slots: dict[Slot, int], limit: int) -> list[Slot]:
     return order + list(pending)
 
 
-def _peak(order: list[Slot]) -> int:
-    live = peak = 0
-    for a in order:
-        live += {FORWARD: 1, BACKWARD_WEIGHT: -1}.get(a[1], 0)
-        peak = max(peak, live)
-    return peak
-
-
 def block_orders(p: int, m: int, block: Block) -> list[list[Slot]]:
     """Every rank's actions: the repeated block compacted; then its I's compacted once more
     into the slots its W's held and the W's put back where the gaps and the block's peak
@@ -197,8 +190,10 @@ def block_orders(p: int, m: int, block: Block) -> list[list[Slot]]:
     first = [sorted(rank, key=rank.get) for rank in slots]
     no_w = [{a: t for a, t in rank.items() if a[1] != BACKWARD_WEIGHT} for rank in slots]
     early = compact(no_w, 2 * p, kinds=(BACKWARD_INPUT,), hop=hop)
+    unit = [1.0] * (2 * p)  # chunk-activations: one per F
     rows = []
     for rank, order in zip(early, first):
-        again = order_with_weights(rank, _peak(order))
-        rows.append(again if _peak(again) <= _peak(order) else order)
+        limit = peak_memory(order, unit)
+        again = order_with_weights(rank, limit)
+        rows.append(again if peak_memory(again, unit) <= limit else order)
     return rows
