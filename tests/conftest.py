@@ -1,15 +1,27 @@
 """Shared pytest setup. Keep it small."""
 
+import os
+import shutil
+import tempfile
+
 import pytest
 
 
 def pytest_configure(config):
-    # The ranks of the tests' Megatron-LM loop runs import megatron.training (~0.5 s each):
-    # the tests' process server imports it once before forking them. (The `train` command's
-    # own server does not: its ranks never import it.)
+    # The ranks of the tests' Megatron-LM loop runs import megatron.training (~0.5 s each) and
+    # repeat work that support.forkserver_warmup does once: the tests' process server imports
+    # both before forking them. (The `train` command's own server does not: its ranks never
+    # import them.)
     from megatron_pp_ext.train import processes
 
-    processes.preload("megatron.training")
+    processes.preload("megatron.training", "support.forkserver_warmup")
+    # One index cache of the mock dataset for the session's Megatron-LM loop runs (ranks fork
+    # from the server, which is started later and inherits this environment).
+    from support.megatron_loop import MOCK_CACHE_ENV
+
+    cache = tempfile.mkdtemp(prefix="megatron-pp-mock-cache-")
+    os.environ[MOCK_CACHE_ENV] = cache
+    config.add_cleanup(lambda: shutil.rmtree(cache, ignore_errors=True))
     config.addinivalue_line(
         "markers",
         "megatron_cpu: multi-process gloo test that trains the tiny Megatron-Core GPT on the CPU",

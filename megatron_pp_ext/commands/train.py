@@ -102,11 +102,14 @@ def settings_from(args) -> TrainSettings:
 def run(args) -> int:
     settings = settings_from(args)
     settings.check()  # ValueError: one 'error:' line, exit 2, before any process starts
+    from ..train.launcher import detect, run as launch, start_local_server
+
+    if detect().kind == "local":
+        start_local_server()  # the ranks' server imports Megatron while we import torch
     if settings.is_async:  # pipedream, pipedream-2bw: not Megatron's forward_backward_func
         from ..train.async_loop import run as run_async
 
         return run_async(settings)
-    from ..train.launcher import detect, run as launch
 
     if detect().rank == 0:  # under torchrun / srun every rank runs this command: say it once
         warn_p_exceeds_m(settings.pp, settings.microbatches)

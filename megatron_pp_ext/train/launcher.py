@@ -90,10 +90,21 @@ def run(settings: TrainSettings) -> int:
     return _run_launched(settings, launch)
 
 
+def start_local_server() -> None:
+    """For a local launch, before this process imports torch: Megatron's warnings hidden for
+    the processes started from here, and their forkserver importing Megatron meanwhile."""
+    from .processes import start_server
+
+    hide_megatron_warnings()
+    start_server()
+
+
 def run_local(settings: TrainSettings, target=None) -> int:
     """``settings.pp`` gloo processes on this machine, each running ``target`` (default:
     ``loop.train_rank``)."""
     from .processes import SpawnError, spawn
+
+    start_local_server()  # (a no-op when started already) importing while we import the loop
     from .loop import train_rank
 
     target = target or train_rank

@@ -31,8 +31,8 @@ import time
 import traceback
 from typing import Any, Callable, Optional
 
-__all__ = ["spawn", "free_port", "host_store", "init_megatron", "destroy", "preload",
-           "SpawnError"]
+__all__ = ["spawn", "start_server", "free_port", "host_store", "init_megatron", "destroy",
+           "preload", "SpawnError"]
 
 # Modules the forkserver imports once, so that every rank forks with them already loaded.
 _PRELOAD = [
@@ -81,13 +81,39 @@ def preload(*modules: str) -> None:
     _PRELOAD.extend(m for m in modules if m not in _PRELOAD)
 
 
+def start_server() -> None:
+    """Start the forkserver now, so that it imports torch and Megatron-Core while this process
+    goes on with its own imports (the two take both cores; the first :func:`spawn` then finds it
+    ready). Optional: :func:`spawn` starts it otherwise."""
+    _context("forkserver")
+
+
 def _context(start_method: str):
     if start_method not in _CONTEXTS:
         ctx = mp.get_context(start_method)
         if start_method == "forkserver":
             ctx.set_forkserver_preload(_PRELOAD)
+            _start_forkserver()
         _CONTEXTS[start_method] = ctx
     return _CONTEXTS[start_method]
+
+
+def _start_forkserver() -> None:
+    """Start the server with this process's ``sys.path``: CPython 3.12's forkserver is sent the
+    parent's path but never applies it (``multiprocessing.forkserver.main``), so a preloaded
+    module found only through a path the parent added (a test's support package) would fail to
+    import there, silently."""
+    from multiprocessing import forkserver
+
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(path for path in sys.path if path)
+    try:
+        forkserver.ensure_running()
+    finally:
+        if saved is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = saved
 
 
 def _dumps(obj: Any) -> bytes:

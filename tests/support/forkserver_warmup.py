@@ -1,0 +1,38 @@
+"""Imported once by the tests' process server (``conftest.py`` preloads it), before it forks
+any rank: work that every rank of a Megatron-LM loop run would otherwise repeat, done once and
+inherited by the forked ranks. Nothing here changes what a run computes.
+
+- The modules a rank imports after the fork (the plugin's install path, Megatron's loop and
+  its dataset builder): ~0.3 s of CPU per rank otherwise.
+- Megatron-LM's argument parser reads each config dataclass's field docstrings for the help
+  text by parsing the class's source (``ArgumentGroupFactory._get_field_docstrings``:
+  ``inspect.getsource`` + ``ast.parse``, ~0.25 s of CPU per ``parse_args``, and a loop run
+  parses twice per rank). The docstrings are a pure function of the class, so they are
+  memoized per class here and the memo is filled by building Megatron's parser once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+from megatron.training import argument_utils, arguments
+
+for _module in ("megatron.core.datasets.blended_megatron_dataset_builder",
+                "megatron.core.datasets.gpt_dataset", "megatron.training.training",
+                "megatron_pp_ext.integration.forward_backward",
+                "megatron_pp_ext.integration.install", "megatron_pp_ext.integration.megatron_args"):
+    importlib.import_module(_module)
+
+_read_docstrings = argument_utils.ArgumentGroupFactory._get_field_docstrings
+_docstrings: dict[type, dict[str, str]] = {}
+
+
+def _memoized_docstrings(self, src_cfg_class: type) -> dict[str, str]:
+    if src_cfg_class not in _docstrings:  # (it recurses on the base class through self)
+        _docstrings[src_cfg_class] = _read_docstrings(self, src_cfg_class)
+    return dict(_docstrings[src_cfg_class])  # a copy: the caller may update it
+
+
+argument_utils.ArgumentGroupFactory._get_field_docstrings = _memoized_docstrings
+arguments.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
