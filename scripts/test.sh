@@ -9,7 +9,11 @@
 # 2. starts a one-node SLURM on this machine (scripts/slurm/local_cluster.sh start: as root on
 #    Debian, installs slurm-wlm + munge if missing) for tests/test_slurm.py, and stops it on exit;
 #    a SLURM already running from $LOCAL_SLURM_DIR is used and left running;
-# 3. runs .venv/bin/python -m pytest -q tests, and exits with pytest's status.
+# 3. runs .venv/bin/python -m pytest -q -n W --dist loadscope tests (W pytest-xdist workers: the
+#    CPU count, at most 4; each test module stays on one worker, so a module's fixtures are
+#    built once), and exits with pytest's status. Most tests are one process on one core (the
+#    executor's threads share the GIL), so two workers keep both cores busy; the multi-process
+#    ones (gloo ranks, the CLI's) take both cores anyway.
 # If SLURM cannot be started the tests still run; the SLURM tests then fail and say why.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -45,7 +49,9 @@ else
 fi
 eval "$(bash "$CLUSTER" env)"  # SLURM_CONF for sbatch/sinfo in the tests
 
-[ $# -gt 0 ] || set -- -q tests
+workers=$(nproc 2>/dev/null || echo 2)
+[ "$workers" -le 4 ] || workers=4
+[ $# -gt 0 ] || set -- -q -n "$workers" --dist loadscope tests
 rc=0
 .venv/bin/python -m pytest "$@" || rc=$?
 echo "test.sh: pytest exit $rc"
