@@ -21,7 +21,8 @@ REPO = Path(__file__).resolve().parents[1]
 LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_STEP_ID")
 SCHEDULES = ("1f1b", "zb-h1", "zb-h2", "gpipe")
 
-pytestmark = pytest.mark.megatron_cpu
+# one xdist worker runs the module: its module fixtures (six train runs) are built once
+pytestmark = [pytest.mark.megatron_cpu, pytest.mark.xdist_group("memory_train")]
 
 
 def _cli(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:

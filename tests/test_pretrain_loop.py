@@ -34,6 +34,8 @@ import pytest
 from megatron_pp_ext.train.processes import spawn
 from support.megatron_loop import merge_history, pretrain_argv, run_pretrain
 
+# one xdist worker runs the module: its reference runs (module fixtures, _RUNS) are made once
+pytestmark = pytest.mark.xdist_group("pretrain_loop")
 ITERS = 5  # the fewest the issue allows
 TIMEOUT = 300  # a hang fails the test; nothing is timed
 OVERLAP = "--overlap-grad-reduce"
