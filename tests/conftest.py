@@ -3,6 +3,7 @@
 import os
 import shutil
 import tempfile
+import uuid
 
 import pytest
 
@@ -22,6 +23,20 @@ def pytest_configure(config):
     cache = tempfile.mkdtemp(prefix="megatron-pp-mock-cache-")
     os.environ[MOCK_CACHE_ENV] = cache
     config.add_cleanup(lambda: shutil.rmtree(cache, ignore_errors=True))
+    # The run's shared folder (support.shared.once): named by pytest-xdist's run id, which the
+    # controller chooses here and its workers read from the environment.
+    from support.shared import SHARED_ENV
+
+    run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if run_id is None:  # the controller, or a run without workers
+        run_id = getattr(config.option, "testrunuid", None) or uuid.uuid4().hex
+        if hasattr(config.option, "testrunuid"):
+            config.option.testrunuid = run_id
+    shared = os.path.join(tempfile.gettempdir(), f"megatron-pp-tests-{run_id}")
+    os.environ[SHARED_ENV] = shared
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        os.makedirs(shared, exist_ok=True)
+        config.add_cleanup(lambda: shutil.rmtree(shared, ignore_errors=True))
     config.addinivalue_line(
         "markers",
         "megatron_cpu: multi-process gloo test that trains the tiny Megatron-Core GPT on the CPU",

@@ -18,9 +18,6 @@ from megatron_pp_ext.integration.stage_flops import stage_flops, stage_seconds, 
 from megatron_pp_ext.integration.stage_layers import stage_layers
 from megatron_pp_ext.integration.static_memory import bytes_per_param, stage_params
 
-# one xdist worker runs the module: its measured_bytes fixture (a gloo process) is made once
-pytestmark = pytest.mark.xdist_group("model_costs")
-
 # A 70B-class GPT (the issue's): 80 layers, hidden 8192, 64 heads in 8 query groups, SwiGLU
 # 28672, 8192 tokens, a 128k vocabulary; tp 8 with sequence parallelism, pp 8, bf16.
 LLAMA_70B = [
