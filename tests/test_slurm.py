@@ -65,12 +65,54 @@ def test_scripts_are_valid_bash(script):
     subprocess.run(["bash", "-n", str(SLURM_DIR / script)], check=True)
 
 
-def _gpu_launch(env_overrides: dict) -> list[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+def _gpu_dry_run(env_overrides: dict) -> str:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "NCCL_"))}
     env.update(DRY_RUN="1", REPO=str(REPO), **env_overrides)
-    out = subprocess.run(["bash", str(GPU_JOB)], env=env, capture_output=True, text=True,
-                         check=True, timeout=60).stdout
-    return shlex.split(out.split("LAUNCH:", 1)[1])
+    return subprocess.run(["bash", str(GPU_JOB)], env=env, capture_output=True, text=True,
+                          check=True, timeout=60).stdout
+
+
+def _gpu_launch(env_overrides: dict) -> list[str]:
+    return shlex.split(_gpu_dry_run(env_overrides).split("LAUNCH:", 1)[1])
+
+
+def test_gpu_job_for_two_nodes_sets_the_timeouts_and_leaves_nccl_to_the_site():
+    """The 2-node render: the process groups' timeout goes to Megatron
+    (--distributed-timeout-minutes) and the plugin's waits are the ones it derives from it
+    (PipelineOptions.timeouts, what the drop-in computes at start-up), not a number of the
+    script's own; the site's NCCL_* variables are passed through untouched, none set."""
+    from megatron_pp_ext.integration.options import PipelineOptions
+
+    site = dict(NCCL_SOCKET_IFNAME="ib0", NCCL_IB_HCA="mlx5_0,mlx5_1")
+    for minutes in ("20", "60"):  # 0.45 G below and above the plugin's 600 s cap
+        text = _gpu_dry_run(dict(SLURM_NNODES="2", GPUS_PER_NODE="8", PG_TIMEOUT_MIN=minutes,
+                                 **site))
+        launch = shlex.split(text.split("LAUNCH:", 1)[1])
+        assert "torchrun --nnodes 2 --nproc-per-node 8" in " ".join(launch)
+        assert launch[launch.index("--distributed-timeout-minutes") + 1] == minutes
+        assert "--pp-p2p-timeout-s" not in launch  # derived by the plugin from the group's
+        first, later = PipelineOptions(schedule="1f1b").timeouts(int(minutes) * 60)
+        assert f"timeouts: process groups {int(minutes) * 60} s (--distributed-timeout-minutes " \
+               f"{minutes}), the plugin's waits on a peer {first:g} s in the first step, " \
+               f"{later:g} s after" in text
+        assert "nccl (the site's, passed to every node): NCCL_IB_HCA=mlx5_0,mlx5_1 " \
+               "NCCL_SOCKET_IFNAME=ib0" in text
+        assert not any(arg.startswith("NCCL_") for arg in launch)  # nothing of its own
+    # a wait of the user's, below 0.45 G: passed on, and what the plugin would use
+    text = _gpu_dry_run(dict(SLURM_NNODES="2", GPUS_PER_NODE="8", P2P_TIMEOUT_S="200"))
+    launch = shlex.split(text.split("LAUNCH:", 1)[1])
+    assert launch[launch.index("--pp-p2p-timeout-s") + 1] == "200"
+    first, later = PipelineOptions(schedule="1f1b", p2p_timeout_s=200).timeouts(600)
+    assert (first, later) == (270, 200)
+    assert "the plugin's waits on a peer 270 s in the first step, 200 s after" in text
+
+
+def test_gpu_job_refuses_a_wait_the_nccl_watchdog_would_cut_short():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env.update(DRY_RUN="1", SLURM_NNODES="2", GPUS_PER_NODE="8", P2P_TIMEOUT_S="600")
+    proc = subprocess.run(["bash", str(GPU_JOB)], env=env, capture_output=True, text=True)
+    assert proc.returncode == 1 and "LAUNCH:" not in proc.stdout
+    assert "P2P_TIMEOUT_S=600 is above 0.45 x the process groups' timeout (600 s" in proc.stderr
 
 
 def test_gpu_job_launches_one_torchrun_per_node():
