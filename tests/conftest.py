@@ -43,10 +43,11 @@ def pytest_configure(config):
     )
 
 
-#: test modules by their total time, most first (bash scripts/test.sh -p no:xdist --durations=0 on
-#: 2 cores, 2026-12-01): the suite's xdist workers are dealt tests in collection order, so the
-#: long ones go out first and the last minute is made of short tests that both workers share
-#: (rather than one worker finishing a 30 s test while the other waits). Others keep their order.
+#: test modules by their total time, most first (measured serially on 2 cores, 2026-12-01): the
+#: suite's xdist workers take whole modules in collection order (--dist loadscope), so the long
+#: ones go out first and the last minute is made of short modules that both workers share
+#: (rather than one worker finishing a 60 s module while the other waits). Others keep their
+#: order.
 LONGEST_FIRST = (
     "test_pretrain_loop", "test_nccl_rules", "test_train_cli", "test_post_validation",
     "test_memory_train", "test_pipedream_train", "test_nccl_rules_gloo", "test_plan",
