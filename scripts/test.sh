@@ -9,11 +9,11 @@
 # 2. starts a one-node SLURM on this machine (scripts/slurm/local_cluster.sh start: as root on
 #    Debian, installs slurm-wlm + munge if missing) for tests/test_slurm.py, and stops it on exit;
 #    a SLURM already running from $LOCAL_SLURM_DIR is used and left running;
-# 3. runs .venv/bin/python -m pytest -q -n W --dist loadscope --durations=15 tests (W pytest-xdist
-#    workers: the CPU count, at most 4; each worker takes a whole module at a time, longest
-#    module first (conftest.py orders them), so a module's shared results are built once and
-#    no worker waits for another's; the 15 slowest tests listed), and exits with pytest's
-#    status.
+# 3. runs .venv/bin/python -m pytest -q -n W --dist loadscope --no-loadscope-reorder
+#    --durations=15 tests (W pytest-xdist workers: the CPU count, at most 4; each worker takes a
+#    whole module at a time in collection order, which conftest.py makes longest module first,
+#    so a module's shared results are built once; the 15 slowest tests listed), and exits
+#    with pytest's status.
 #    Most tests are one process on one core (the executor's threads share the GIL), so two
 #    workers keep both cores busy; the multi-process ones (gloo ranks, the CLI's) take both
 #    cores anyway.
@@ -54,7 +54,8 @@ eval "$(bash "$CLUSTER" env)"  # SLURM_CONF for sbatch/sinfo in the tests
 
 workers=$(nproc 2>/dev/null || echo 2)
 [ "$workers" -le 4 ] || workers=4
-[ $# -gt 0 ] || set -- -q -n "$workers" --dist loadscope --durations=15 tests
+[ $# -gt 0 ] || set -- -q -n "$workers" --dist loadscope --no-loadscope-reorder --durations=15 \
+  tests
 rc=0
 .venv/bin/python -m pytest "$@" || rc=$?
 echo "test.sh: pytest exit $rc"

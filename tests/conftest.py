@@ -44,7 +44,8 @@ def pytest_configure(config):
 
 
 #: test modules by their total time, most first (measured serially on 2 cores, 2026-12-01): the
-#: suite's xdist workers take whole modules in collection order (--dist loadscope), so the long
+#: suite's xdist workers take whole modules in collection order (--dist loadscope
+#: --no-loadscope-reorder; xdist's default reorder is by number of tests), so the long
 #: ones go out first and the last minute is made of short modules that both workers share
 #: (rather than one worker finishing a 60 s module while the other waits). Others keep their
 #: order.
