@@ -3,7 +3,6 @@
 import os
 import shutil
 import tempfile
-import uuid
 
 import pytest
 
@@ -23,20 +22,6 @@ def pytest_configure(config):
     cache = tempfile.mkdtemp(prefix="megatron-pp-mock-cache-")
     os.environ[MOCK_CACHE_ENV] = cache
     config.add_cleanup(lambda: shutil.rmtree(cache, ignore_errors=True))
-    # The run's shared folder (support.shared.once): named by pytest-xdist's run id, which the
-    # controller chooses here and its workers read from the environment.
-    from support.shared import SHARED_ENV
-
-    run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-    if run_id is None:  # the controller, or a run without workers
-        run_id = getattr(config.option, "testrunuid", None) or uuid.uuid4().hex
-        if hasattr(config.option, "testrunuid"):
-            config.option.testrunuid = run_id
-    shared = os.path.join(tempfile.gettempdir(), f"megatron-pp-tests-{run_id}")
-    os.environ[SHARED_ENV] = shared
-    if "PYTEST_XDIST_WORKER" not in os.environ:
-        os.makedirs(shared, exist_ok=True)
-        config.add_cleanup(lambda: shutil.rmtree(shared, ignore_errors=True))
     config.addinivalue_line(
         "markers",
         "megatron_cpu: multi-process gloo test that trains the tiny Megatron-Core GPT on the CPU",
@@ -47,8 +32,8 @@ def pytest_configure(config):
 #: suite's xdist workers take whole modules in collection order (--dist loadscope
 #: --no-loadscope-reorder; xdist's default reorder is by number of tests), so the long
 #: ones go out first and the last minute is made of short modules that both workers share
-#: (rather than one worker finishing a 60 s module while the other waits). Others keep their
-#: order.
+#: (rather than one worker finishing a 60 s module while the other waits); a module's fixtures
+#: are built once, on its worker. Others keep their order.
 LONGEST_FIRST = (
     "test_pretrain_loop", "test_nccl_rules", "test_train_cli", "test_post_validation",
     "test_memory_train", "test_pipedream_train", "test_nccl_rules_gloo", "test_plan",

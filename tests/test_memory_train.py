@@ -15,7 +15,6 @@ import pytest
 from megatron_pp_ext.integration.auto import AutoSchedule, measured_activation_bytes
 from megatron_pp_ext.runtime.executor import StepResult
 from megatron_pp_ext.schedules import build_schedule
-from support.shared import once
 from support.train_cli import run_train_all
 
 REPO = Path(__file__).resolve().parents[1]
@@ -33,11 +32,7 @@ def _cli(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """{schedule: (summary, stdout, out folder)} for four real runs (once per test run)."""
-    return once("memory_train-runs", lambda: _four_runs(tmp_path_factory))
-
-
-def _four_runs(tmp_path_factory):
+    """{schedule: (summary, stdout, out folder)} for four real runs."""
     folders = {name: tmp_path_factory.mktemp(name) for name in SCHEDULES}
     procs = run_train_all(*[["--schedule", name, "-p", "2", "-m", "4", "--steps", "2", "--out",
                              str(folders[name])] for name in SCHEDULES])  # side by side
@@ -139,12 +134,7 @@ V_MEMORY = ("v-half", "v-min")
 
 @pytest.fixture(scope="module")
 def p4_runs(tmp_path_factory):
-    """{schedule: summary} of the tiny GPT at p=4, m=8, one step each (side by side; once per
-    test run)."""
-    return once("memory_train-p4_runs", lambda: _p4_runs(tmp_path_factory))
-
-
-def _p4_runs(tmp_path_factory):
+    """{schedule: summary} of the tiny GPT at p=4, m=8, one step each (side by side)."""
     folders = {name: tmp_path_factory.mktemp(f"p4-{name}") for name in V_MEMORY}
     procs = run_train_all(*[["--schedule", name, "-p", "4", "-m", "8", "--steps", "1",
                              "--no-trace", "--out", str(folders[name])] for name in V_MEMORY])

@@ -27,14 +27,12 @@ Every schedule runs with all four flags; the split-backward schedules with
 (docs/megatron-lm.md, "The real loop in CI").
 """
 
-import hashlib
 import math
 
 import pytest
 
 from megatron_pp_ext.train.processes import spawn
 from support.megatron_loop import merge_history, pretrain_argv, run_pretrain
-from support.shared import once
 
 ITERS = 5  # the fewest the issue allows
 TIMEOUT = 300  # a hang fails the test; nothing is timed
@@ -47,20 +45,20 @@ FP32_RTOL = 1e-5
 MEGATRON_1F1B = "forward_backward_pipelining_without_interleaving"
 MEGATRON_INTERLEAVED = "forward_backward_pipelining_with_interleaving"
 
-def _pretrain(schedule=None, vp=None, overlap=True, tied=False, extra=()):
-    """One launch per configuration in the test run, shared by the tests of this module."""
-    key = (schedule, vp, overlap, tied, tuple(extra))
+_RUNS: dict = {}  # one launch per configuration, shared by the tests of this module
 
-    def launch():
+
+def _pretrain(schedule=None, vp=None, overlap=True, tied=False, extra=()):
+    key = (schedule, vp, overlap, tied, tuple(extra))
+    if key not in _RUNS:
         argv = pretrain_argv(pp=2, dp=2, schedule=schedule, vp=vp, iters=ITERS, extra=extra)
         if not overlap:
             argv.remove(OVERLAP)
         if tied:
             argv.remove(UNTIE)
-        return merge_history(spawn(4, run_pretrain, argv, global_init=False, timeout_s=TIMEOUT))
-
-    name = "pretrain_loop-" + hashlib.sha256(repr(key).encode()).hexdigest()[:16]
-    return once(name, launch)
+        _RUNS[key] = merge_history(spawn(4, run_pretrain, argv, global_init=False,
+                                         timeout_s=TIMEOUT))
+    return _RUNS[key]
 
 
 @pytest.fixture(scope="module")

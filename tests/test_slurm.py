@@ -76,35 +76,35 @@ def _gpu_launch(env_overrides: dict) -> list[str]:
     return shlex.split(_gpu_dry_run(env_overrides).split("LAUNCH:", 1)[1])
 
 
-def test_gpu_job_for_two_nodes_sets_the_timeouts_and_leaves_nccl_to_the_site():
+def test_gpu_job_for_two_nodes_sets_the_timeouts_and_leaves_nccl_to_the_site(monkeypatch):
     """The 2-node render: the process groups' timeout goes to Megatron
-    (--distributed-timeout-minutes) and the plugin's waits are the ones it derives from it
-    (PipelineOptions.timeouts, what the drop-in computes at start-up), not a number of the
-    script's own; the site's NCCL_* variables are passed through untouched, none set."""
-    from megatron_pp_ext.integration.options import PipelineOptions
+    (--distributed-timeout-minutes, through its own parser) and no wait of the script's own, so
+    the plugin derives its waits from that timeout; a user's P2P_TIMEOUT_S is passed on; the
+    site's NCCL_* variables are passed through untouched, none set."""
+    import megatron.training.arguments as megatron_arguments
+
+    from megatron_pp_ext.integration.megatron_args import (
+        add_pipeline_schedule_args,
+        schedule_options_from_args,
+    )
 
     site = dict(NCCL_SOCKET_IFNAME="ib0", NCCL_IB_HCA="mlx5_0,mlx5_1")
-    for minutes in ("20", "60"):  # 0.45 G below and above the plugin's 600 s cap
-        text = _gpu_dry_run(dict(SLURM_NNODES="2", GPUS_PER_NODE="8", PG_TIMEOUT_MIN=minutes,
-                                 **site))
+    for extra, wait in ((dict(PG_TIMEOUT_MIN="20"), None), (dict(P2P_TIMEOUT_S="200"), 200.0)):
+        text = _gpu_dry_run(dict(SLURM_NNODES="2", GPUS_PER_NODE="8", **site, **extra))
         launch = shlex.split(text.split("LAUNCH:", 1)[1])
         assert "torchrun --nnodes 2 --nproc-per-node 8" in " ".join(launch)
-        assert launch[launch.index("--distributed-timeout-minutes") + 1] == minutes
-        assert "--pp-p2p-timeout-s" not in launch  # derived by the plugin from the group's
-        first, later = PipelineOptions(schedule="1f1b").timeouts(int(minutes) * 60)
-        assert f"timeouts: process groups {int(minutes) * 60} s (--distributed-timeout-minutes " \
-               f"{minutes}), the plugin's waits on a peer {first:g} s in the first step, " \
-               f"{later:g} s after" in text
+        assert not any(arg.startswith("NCCL_") for arg in launch)  # nothing of its own
         assert "nccl (the site's, passed to every node): NCCL_IB_HCA=mlx5_0,mlx5_1 " \
                "NCCL_SOCKET_IFNAME=ib0" in text
-        assert not any(arg.startswith("NCCL_") for arg in launch)  # nothing of its own
-    # a wait of the user's, below 0.45 G: passed on, and what the plugin would use
-    text = _gpu_dry_run(dict(SLURM_NNODES="2", GPUS_PER_NODE="8", P2P_TIMEOUT_S="200"))
-    launch = shlex.split(text.split("LAUNCH:", 1)[1])
-    assert launch[launch.index("--pp-p2p-timeout-s") + 1] == "200"
-    first, later = PipelineOptions(schedule="1f1b", p2p_timeout_s=200).timeouts(600)
-    assert (first, later) == (270, 200)
-    assert "the plugin's waits on a peer 270 s in the first step, 200 s after" in text
+        minutes = int(extra.get("PG_TIMEOUT_MIN", "10"))
+        said = "derived from them" if wait is None else f"{wait:g} s"
+        assert f"timeouts: process groups {minutes * 60} s (--distributed-timeout-minutes " \
+               f"{minutes}), the plugin's waits on a peer: {said}" in text
+        script = launch.index(str(REPO / "scripts" / "pretrain_gpt_pp.py"))
+        monkeypatch.setattr(sys, "argv", launch[script:])
+        args = megatron_arguments.parse_args(extra_args_provider=add_pipeline_schedule_args)
+        assert args.distributed_timeout_minutes == minutes
+        assert schedule_options_from_args(args)["p2p_timeout_s"] == wait
 
 
 def test_gpu_job_refuses_a_wait_the_nccl_watchdog_would_cut_short():

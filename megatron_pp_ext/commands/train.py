@@ -104,13 +104,14 @@ def run(args) -> int:
     settings.check()  # ValueError: one 'error:' line, exit 2, before any process starts
     from ..train.launcher import detect, run as launch, start_local_server
 
-    if detect().kind == "local":
+    launcher = detect()
+    if launcher.kind == "local":
         start_local_server()  # the ranks' server imports Megatron while we import torch
     if settings.is_async:  # pipedream, pipedream-2bw: not Megatron's forward_backward_func
         from ..train.async_loop import run as run_async
 
         return run_async(settings)
 
-    if detect().rank == 0:  # under torchrun / srun every rank runs this command: say it once
+    if launcher.rank == 0:  # under torchrun / srun every rank runs this command: say it once
         warn_p_exceeds_m(settings.pp, settings.microbatches)
     return launch(settings)
