@@ -13,8 +13,9 @@ initialises them (no test-side filling), so a comparison holds what a user would
 * zb-v, dualpipev, v-half, v-min and zb-auto on two chunks (the V layout) against Megatron's
   1F1B (zb-auto on one chunk: bit-identical): their model providers start every parameter as
   1F1B does (``v_layout_models``, ``loop_init``), so the losses are equal; the grad norm sums
-  its per-rank parts in another order, so it is held to fp32 (rtol 1e-5; measured: losses
-  identical, grad norms within 1e-7 relative);
+  its per-rank parts in another order, so the first step is held to fp32 (rtol 1e-6) and the
+  later ones to the bf16 weights' rounding, which that last bit can tip through the clip
+  coefficient (rtol 1e-4 for losses, 2e-3 for grad norms: FIRST_STEP_RTOL below);
 * the V layouts with what users add (issue 22): ``--calculate-per-token-loss`` (the gradients
   are divided by the token count, which lives on rank 0 there), tied embeddings (both copies on
   rank 0, summed there) against Megatron's 1F1B with tied embeddings, and three
@@ -40,7 +41,19 @@ OVERLAP = "--overlap-grad-reduce"
 UNTIE = "--untie-embeddings-and-output-weights"
 PER_TOKEN = "--calculate-per-token-loss"
 LAYOUT = "--pipeline-model-parallel-layout"
-FP32_RTOL = 1e-5
+# The V layouts hold each stage's parameters on another rank than Megatron's 1F1B, so the
+# grad norm sums its per-rank parts in another order and can differ in its last bit; with
+# --clip-grad 1.0 the clip coefficient does too, so every update differs by ~1e-7. The first
+# step's loss and grad norm agree to fp32 (measured: identical losses, 7e-8 in the norm).
+# Later steps run on bf16 weights: once a master weight lands on the other side of a bf16
+# rounding boundary, one bf16 ulp (0.4%) of it differs and the difference grows. Whether and
+# when that happens depends on the CPU's kernels: on the 2026-12-01 CI machine the losses
+# stay identical for 4 steps, then step 5 differs by 1.5e-5 in the loss and by up to
+# 6.5e-4 in the grad norm (an earlier machine: identical losses for all 5 steps). A lost,
+# doubled or undivided microbatch gradient moves the first grad norm by ~1/m or more.
+FIRST_STEP_RTOL = 1e-6
+TRAJECTORY_LOSS_RTOL = 1e-4
+TRAJECTORY_GRAD_NORM_RTOL = 2e-3
 
 MEGATRON_1F1B = "forward_backward_pipelining_without_interleaving"
 MEGATRON_INTERLEAVED = "forward_backward_pipelining_with_interleaving"
@@ -79,9 +92,12 @@ def _check_run(history, schedule_name):
 
 
 def _assert_trains_as(out, ref):
-    """The V layout against a loop reference: the same losses, the grad norm within fp32."""
-    assert out["lm loss"] == pytest.approx(ref["lm loss"], rel=FP32_RTOL)
-    assert out["grad_norm"] == pytest.approx(ref["grad_norm"], rel=FP32_RTOL)
+    """The V layout against a loop reference: the first step within fp32, the rest within the
+    bf16 weights' rounding (FIRST_STEP_RTOL above)."""
+    for key in ("lm loss", "grad_norm"):
+        assert out[key][0] == pytest.approx(ref[key][0], rel=FIRST_STEP_RTOL), key
+    assert out["lm loss"] == pytest.approx(ref["lm loss"], rel=TRAJECTORY_LOSS_RTOL)
+    assert out["grad_norm"] == pytest.approx(ref["grad_norm"], rel=TRAJECTORY_GRAD_NORM_RTOL)
 
 
 def test_megatron_own_schedules_train(megatron_1f1b, megatron_interleaved):
