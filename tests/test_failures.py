@@ -60,6 +60,7 @@ def collect(world_size: int, fn, *args, silent=(), deadline_s: float = 180.0, **
     finally:
         launch._stop(procs, graceful=False)
         results.close()
+        store.close()
     return out
 
 

@@ -38,7 +38,6 @@ DEFERRED: dict[tuple[str, str], str] = {
         "Megatron-LM's argument parser: only `simulate -- <pretrain_gpt.py args>` reads it",
     ("commands.common", "integration.pretrain_select"):
         "Megatron-LM's argument parser: only `select/compare -- <pretrain_gpt.py args>` read it",
-    ("commands.train", "train.async_loop"): "torch and Megatron: only `train` runs them",
     ("commands.train", "train.launcher"): "torch and Megatron: only `train` runs them",
     ("integration.megatron_args", "integration.install"):
         "install() patches megatron.training; the argument group is read without it",
@@ -47,8 +46,6 @@ DEFERRED: dict[tuple[str, str], str] = {
     ("train.async_loop", "runtime.transport"): _RANK_ONLY,
     ("train.async_loop", "train.data"): _RANK_ONLY,
     ("train.async_loop", "train.processes"): _RANK_ONLY,
-    ("train.launcher", "train.processes"): "the launcher's process starts ranks, no torch",
-    ("train.launcher", "train.loop"): "the launcher's process starts ranks, no torch",
     ("train.launcher", "device"): "the launcher's process starts ranks, no torch",
     ("train.loop", "models.tiny_gpt"): "Megatron, imported once its warnings are hidden",
     ("train.loop", "train.cpu_shims"): "Megatron, imported once its warnings are hidden",

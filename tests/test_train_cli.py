@@ -132,8 +132,9 @@ def _start_under(launcher: str, out: Path, *args: str) -> list[subprocess.Popen]
     processes, each one rank) would start it."""
     command = [sys.executable, "-m", "megatron_pp_ext", "train", *args, "--out", str(out)]
     pipes = dict(cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    if launcher == "local":
-        return [subprocess.Popen(command, env=_launched_env({}), **pipes)]
+    if launcher == "local":  # the same command, saying at its end whether it imported torch
+        return [subprocess.Popen([sys.executable, "-c", _SAYS_TORCH, *command[3:]],
+                                 env=_launched_env({}), **pipes)]
     if launcher == "torchrun":
         return [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
                                   "--nproc-per-node", "2", *command[1:]],
@@ -145,6 +146,16 @@ def _start_under(launcher: str, out: Path, *args: str) -> list[subprocess.Popen]
         SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_NTASKS="2",
         SLURM_STEP_NUM_TASKS="2", SLURM_STEP_ID="0", SLURM_JOB_ID="1", SLURM_NNODES="1",
         MASTER_ADDR="127.0.0.1", MASTER_PORT=port)), **pipes) for rank in range(2)]
+
+
+_SAYS_TORCH = (
+    "import runpy, sys\n"
+    "sys.argv = ['megatron_pp_ext', *sys.argv[1:]]\n"
+    "try:\n"
+    "    runpy.run_module('megatron_pp_ext', run_name='__main__')\n"
+    "finally:\n"
+    "    print('torch in the command process:', 'torch' in sys.modules)\n"
+)
 
 
 def _finish(procs: list[subprocess.Popen]) -> subprocess.CompletedProcess:
@@ -164,12 +175,13 @@ def test_every_launcher_hints_p_over_m_once_and_keeps_megatron_warnings_out(tmp_
     (from rank 0), and the run goes on; under torchrun and srun each rank is a process that
     imports Megatron itself, and its warnings, which do fire on this machine
     (test_megatron_warnings_fire_and_are_hidden), stay out of the output. The three launches
-    run side by side."""
+    run side by side. The local launcher's command process imports no torch."""
     launchers = ("local", "torchrun", "srun")
     started = {name: _start_under(name, tmp_path / name, "-p", "2", "-m", "1", "--steps", "1")
                for name in launchers}
+    finished = {}
     for launcher in launchers:
-        proc = _finish(started[launcher])
+        proc = finished[launcher] = _finish(started[launcher])
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         _assert_no_megatron_warnings(proc)
         assert f"gloo via {launcher}" in proc.stdout and "step 1/1" in proc.stdout
@@ -178,6 +190,9 @@ def test_every_launcher_hints_p_over_m_once_and_keeps_megatron_warnings_out(tmp_
                          "(Megatron needs m >= p for interleaved)"], (launcher, proc.stderr)
         summary = json.loads((tmp_path / launcher / "summary.json").read_text())
         assert (summary["launcher"], summary["microbatches"]) == (launcher, 1)
+    # the local launcher's own process starts the ranks and never imports torch (~5 s of CPU
+    # a run on a small machine); its ranks and their forkserver do
+    assert "torch in the command process: False" in finished["local"].stdout
 
 
 _WARN_AND_LOG = (

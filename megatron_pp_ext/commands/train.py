@@ -106,12 +106,8 @@ def run(args) -> int:
 
     launcher = detect()
     if launcher.kind == "local":
-        start_local_server()  # the ranks' server imports Megatron while we import torch
-    if settings.is_async:  # pipedream, pipedream-2bw: not Megatron's forward_backward_func
-        from ..train.async_loop import run as run_async
-
-        return run_async(settings)
-
-    if launcher.rank == 0:  # under torchrun / srun every rank runs this command: say it once
+        start_local_server()  # the ranks' server imports Megatron while we go on
+    if launcher.rank == 0 and not settings.is_async:  # under torchrun / srun every rank runs
+        # this command: say it once
         warn_p_exceeds_m(settings.pp, settings.microbatches)
     return launch(settings)

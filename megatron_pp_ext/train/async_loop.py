@@ -20,7 +20,6 @@ import time
 import torch
 import torch.distributed as dist
 
-from .launcher import detect, run_launched, run_local
 from .quiet import hide_megatron_warnings
 from .settings import TrainSettings
 from .report import write_outputs
@@ -260,22 +259,3 @@ def _timelines(schedule, gathered: list[dict]):
     predicted = simulate(schedule, CostModel(t_f=means["F"], t_b=means["B"]))
     predicted.unit = "s"
     return measured, predicted
-
-
-def run(settings: TrainSettings) -> int:
-    """Local gloo processes (under torchrun / srun: one process per pipeline rank, dp = 1)."""
-    hide_megatron_warnings()
-    launch = detect()
-    if launch.kind != "local":
-        return _run_launched(settings, launch)
-    return run_local(settings, async_train_rank)
-
-
-def _run_launched(settings: TrainSettings, launch) -> int:
-    if launch.world_size != settings.pp:
-        if launch.rank == 0:
-            raise ValueError(
-                f"{settings.schedule} runs one pipeline (no data parallelism): start "
-                f"{settings.pp} processes, not {launch.world_size}")
-        return 2
-    return run_launched(settings, launch, async_train_rank, backend="gloo")

@@ -24,6 +24,7 @@ import sys
 from dataclasses import dataclass
 from typing import Mapping
 
+from .processes import RankFunction, SpawnError, destroy, spawn, start_server
 from .quiet import hide_megatron_warnings
 from .settings import TrainSettings
 
@@ -73,41 +74,41 @@ def slurm_master_port(env: Mapping[str, str]) -> str:
     return str(15000 + int(job) % 20000) if job.isdigit() else "29500"
 
 
+#: what each rank runs, imported there (this process, the command's, never imports torch)
+TRAIN_RANK = RankFunction("megatron_pp_ext.train.loop", "train_rank")
+ASYNC_TRAIN_RANK = RankFunction("megatron_pp_ext.train.async_loop", "async_train_rank")
+
+
 def run(settings: TrainSettings) -> int:
-    """Train under whatever launched us; returns the exit status."""
+    """Train under whatever launched us; returns the exit status. The asynchronous schedules
+    (pipedream, pipedream-2bw: not Megatron's forward_backward_func) run one pipeline over
+    gloo under every launcher."""
     # Before anything imports Megatron: here (torchrun / srun: this process is a rank) and in
     # the processes started from here (the local launcher's forkserver imports Megatron).
     hide_megatron_warnings()
     launch = detect()
+    target = ASYNC_TRAIN_RANK if settings.is_async else TRAIN_RANK
     if launch.kind == "local":
-        return run_local(settings)
+        return run_local(settings, target)
     try:
         settings.check_world(launch.world_size)
     except ValueError:
         if launch.rank == 0:
             raise  # one 'error:' line from rank 0; the other ranks exit 2 quietly
         return 2
-    return _run_launched(settings, launch)
+    return run_launched(settings, launch, target, backend="gloo" if settings.is_async else None)
 
 
 def start_local_server() -> None:
     """For a local launch, before this process imports torch: Megatron's warnings hidden for
     the processes started from here, and their forkserver importing Megatron meanwhile."""
-    from .processes import start_server
-
     hide_megatron_warnings()
     start_server()
 
 
-def run_local(settings: TrainSettings, target=None) -> int:
-    """``settings.pp`` gloo processes on this machine, each running ``target`` (default:
-    ``loop.train_rank``)."""
-    from .processes import SpawnError, spawn
-
-    start_local_server()  # (a no-op when started already) importing while we import the loop
-    from .loop import train_rank
-
-    target = target or train_rank
+def run_local(settings: TrainSettings, target=TRAIN_RANK) -> int:
+    """``settings.pp`` gloo processes on this machine, each running ``target``."""
+    start_local_server()  # (a no-op when started already)
     print(f"starting {settings.pp} gloo processes on this machine's CPUs (each imports torch "
           "and Megatron-Core first: a few seconds)", flush=True)
     for attempt in range(3):
@@ -123,12 +124,6 @@ def run_local(settings: TrainSettings, target=None) -> int:
     return 1
 
 
-def _run_launched(settings: TrainSettings, launch: Launch) -> int:
-    from .loop import train_rank
-
-    return run_launched(settings, launch, train_rank)
-
-
 def run_launched(settings: TrainSettings, launch: Launch, target, backend: str | None = None) -> int:
     """Run ``target(rank, world_size, settings, launcher=...)`` in this process, one rank of a
     torchrun / srun launch: the process group from the launcher's environment, destroyed after.
@@ -138,7 +133,6 @@ def run_launched(settings: TrainSettings, launch: Launch, target, backend: str |
     import torch.distributed as dist
 
     from .. import device as device_helper
-    from .processes import destroy
 
     os.environ.update(RANK=str(launch.rank), WORLD_SIZE=str(launch.world_size),
                       LOCAL_RANK=str(launch.local_rank))

@@ -23,6 +23,7 @@ import faulthandler
 import io
 import multiprocessing as mp
 import os
+import pickle
 import queue as queue_mod
 import signal
 import socket
@@ -32,7 +33,7 @@ import traceback
 from typing import Any, Callable, Optional
 
 __all__ = ["spawn", "start_server", "free_port", "host_store", "init_megatron", "destroy",
-           "preload", "SpawnError"]
+           "preload", "RankFunction", "SpawnError"]
 
 # Modules the forkserver imports once, so that every rank forks with them already loaded.
 _PRELOAD = [
@@ -62,15 +63,85 @@ def free_port() -> int:
 
 
 def host_store(timeout_s: float):
-    """The ranks' rendezvous store, served by this (the parent) process on a port the kernel
-    picks as it binds: no window in which another process can take the port (a port found
-    free and bound later by rank 0 can be, under load: EADDRINUSE), and the store outlives a
-    rank that dies. Keep the returned store alive while the ranks run; ``store.port``."""
+    """The ranks' rendezvous store, served on a port the kernel picks as it binds: no window in
+    which another process can take the port (a port found free and bound later by rank 0 can
+    be, under load: EADDRINUSE), and the store outlives a rank that dies. Served by this
+    process where torch is loaded already (the tests); else by a process forked from the
+    forkserver, which has loaded it (``train``'s command process never imports torch: ~5 s of
+    CPU on a small machine). Keep the returned store alive while the ranks run; ``.port``,
+    ``close()``."""
+    if "torch" in sys.modules:
+        return _LocalStore(timeout_s)
+    return _StoreProcess(timeout_s)
+
+
+def _tcp_store(timeout_s: float):
     import torch.distributed as dist
 
     return dist.TCPStore("127.0.0.1", 0, None, True,
                          timeout=datetime.timedelta(seconds=max(1.0, float(timeout_s))),
                          wait_for_workers=False)
+
+
+class _LocalStore:
+    def __init__(self, timeout_s: float):
+        self._store = _tcp_store(timeout_s)
+        self.port = self._store.port
+
+    def close(self) -> None:
+        self._store = None
+
+
+class _StoreProcess:
+    """A TCPStore in a child of the forkserver: it sends its port, then serves until the
+    pipe closes (this process's ``close()``, or its death)."""
+
+    def __init__(self, timeout_s: float):
+        ctx = _context("forkserver")
+        ours, theirs = ctx.Pipe()
+        self._proc = ctx.Process(target=_serve_store, args=(theirs, timeout_s),
+                                 name="spawn-store", daemon=True)
+        self._proc.start()
+        theirs.close()
+        self._conn = ours
+        if not ours.poll(max(30.0, float(timeout_s))):
+            self.close()
+            raise SpawnError(f"the rendezvous store did not start within {timeout_s} s")
+        self.port = ours.recv()
+
+    def close(self) -> None:
+        self._conn.close()  # the server's recv() ends: it exits
+        self._proc.join(timeout=10)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join(timeout=5)
+
+
+def _serve_store(conn, timeout_s: float) -> None:
+    store = _tcp_store(timeout_s)
+    conn.send(store.port)
+    try:
+        conn.recv()  # nothing is sent: returns (EOFError) when the parent closes its end
+    except EOFError:
+        pass
+    del store
+
+
+class RankFunction:
+    """A rank's function named by module and attribute, imported in the rank: the process that
+    starts the ranks need not import it (nor torch, which it imports)."""
+
+    def __init__(self, module: str, name: str):
+        self.module, self.name = module, name
+        self.__qualname__ = f"{module}.{name}"
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        import importlib
+
+        return getattr(importlib.import_module(self.module), self.name)(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return self.__qualname__
 
 
 def preload(*modules: str) -> None:
@@ -116,22 +187,43 @@ def _start_forkserver() -> None:
             os.environ["PYTHONPATH"] = saved
 
 
-def _dumps(obj: Any) -> bytes:
-    """Serialize a rank's result by value with ``torch.save``: torch's multiprocessing pickler
-    would share tensors through file descriptors that die with the rank, and plain pickle of a
-    tensor, once Megatron is imported, names ``megatron.core.safe_globals`` (Megatron registers
-    its own storage reducer), which would make the parent import Megatron to read it."""
-    import torch
+class _HoldsTorch(Exception):
+    pass
 
+
+class _PlainPickler(pickle.Pickler):
+    def reducer_override(self, obj):
+        if type(obj).__module__.split(".")[0] == "torch":
+            raise _HoldsTorch
+        return NotImplemented
+
+
+def _dumps(obj: Any) -> tuple[str, bytes]:
+    """Serialize a rank's result by value: plain pickle where it holds no torch object (the
+    parent then needs no torch to read it), else ``torch.save``: torch's multiprocessing
+    pickler would share tensors through file descriptors that die with the rank, and plain
+    pickle of a tensor, once Megatron is imported, names ``megatron.core.safe_globals``
+    (Megatron registers its own storage reducer), which would make the parent import Megatron
+    to read it."""
     buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
+    try:
+        _PlainPickler(buf).dump(obj)
+        return "pickle", buf.getvalue()
+    except _HoldsTorch:
+        import torch
+
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        return "torch", buf.getvalue()
 
 
-def _loads(data: bytes) -> Any:
+def _loads(data: tuple[str, bytes]) -> Any:
+    kind, payload = data
+    if kind == "pickle":
+        return pickle.loads(payload)
     import torch
 
-    return torch.load(io.BytesIO(data), weights_only=False)  # our own child's bytes
+    return torch.load(io.BytesIO(payload), weights_only=False)  # our own child's bytes
 
 
 def _worker(rank, world_size, port, timeout_s, fn, args, kwargs, results):
@@ -207,7 +299,7 @@ def spawn(
     finally:
         _stop(procs, graceful=error is None)
         results.close()
-        del store  # after the ranks: they rendezvoused and left notes there
+        store.close()  # after the ranks: they rendezvoused and left notes there
     if error is not None:
         raise error
     return [outputs[r] for r in range(world_size)]

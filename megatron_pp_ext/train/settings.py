@@ -223,7 +223,12 @@ class TrainSettings:
                 "--chunks out")
 
     def check_world(self, world_size: int) -> None:
-        """Under torchrun / srun: the world must be a whole number of pipelines."""
+        """Under torchrun / srun: the world must be a whole number of pipelines (one, for an
+        asynchronous schedule)."""
+        if self.is_async and world_size != self.pp:
+            raise ValueError(
+                f"{self.schedule} runs one pipeline (no data parallelism): start {self.pp} "
+                f"processes, not {world_size}")
         if world_size % self.pp:
             raise ValueError(
                 f"the launcher started {world_size} processes, not a multiple of -p {self.pp}; "
