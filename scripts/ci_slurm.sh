@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# CI: start a one-node SLURM here, run tests/test_slurm.py against it, stop what this started.
+# CI: start a two-node SLURM here (network namespaces), run tests/test_slurm.py against it, stop what this started.
 #
 #   bash scripts/ci_slurm.sh [pytest args]      (as root on Debian; installs slurm-wlm + munge)
 #
@@ -21,7 +21,7 @@ if bash "$CLUSTER" status >/dev/null 2>&1; then
 else
   trap 't=$(now); bash "$CLUSTER" stop || true; echo "ci_slurm: cluster stopped in $(took "$t")"' EXIT
   t=$(now)
-  timeout 300 bash "$CLUSTER" start
+  timeout 300 bash "$CLUSTER" start --nodes 2
   echo "ci_slurm: cluster up in $(took "$t")"
 fi
 

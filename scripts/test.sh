@@ -6,9 +6,10 @@
 # 1. sets up .venv/ (scripts/setup_env.sh: reused when requirements.txt and setup.py are unchanged);
 #    and installs Debian's chromium if /usr/bin/chromium is missing (as root), for the HTML check
 #    in a headless browser (tests/test_html_browser.py);
-# 2. starts a one-node SLURM on this machine (scripts/slurm/local_cluster.sh start: as root on
-#    Debian, installs slurm-wlm + munge if missing) for tests/test_slurm.py, and stops it on exit;
-#    a SLURM already running from $LOCAL_SLURM_DIR is used and left running;
+# 2. starts a two-node SLURM on this machine (scripts/slurm/local_cluster.sh start --nodes 2:
+#    each node a network namespace with its own address; as root on Debian, installs
+#    slurm-wlm + munge if missing) for tests/test_slurm.py, and stops it on exit (namespaces
+#    and links removed); a SLURM already running from $LOCAL_SLURM_DIR is used and left running;
 # 3. runs .venv/bin/python -m pytest -q -n W --dist loadscope --no-loadscope-reorder
 #    --durations=15 tests (W pytest-xdist workers: the CPU count, at most 4; each worker takes a
 #    whole module at a time in collection order, which conftest.py makes longest module first,
@@ -47,7 +48,7 @@ if bash "$CLUSTER" status >/dev/null 2>&1; then
   echo "test.sh: using the SLURM already running from $LOCAL_SLURM_DIR (left running)"
 else
   trap 'bash "$CLUSTER" stop || true' EXIT
-  timeout 300 bash "$CLUSTER" start \
+  timeout 300 bash "$CLUSTER" start --nodes 2 \
     || echo "test.sh: could not start a local SLURM (see above): the SLURM tests will fail" >&2
 fi
 eval "$(bash "$CLUSTER" env)"  # SLURM_CONF for sbatch/sinfo in the tests

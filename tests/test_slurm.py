@@ -2,7 +2,7 @@
 parser and validation, for every schedule), and real jobs on a running SLURM.
 
 The real jobs need SLURM: ``bash scripts/test.sh`` (the README's test command) starts a
-one-node SLURM on this machine with ``scripts/slurm/local_cluster.sh`` and stops it afterwards.
+two-node SLURM on this machine (``--nodes 2``: network namespaces) with ``scripts/slurm/local_cluster.sh`` and stops it afterwards.
 Without a running SLURM these tests fail, saying how to start one. They find it through
 ``$SLURM_CONF``, else the local cluster's ``slurm.conf`` when it exists, else SLURM's default
 configuration (a real cluster)."""
@@ -209,20 +209,57 @@ def _wait_for_job(job_id: str, env: dict) -> int:
     pytest.fail(f"job {job_id} did not end within {SBATCH_TIMEOUT_S} s (last state {state})")
 
 
-def test_train_cpu_job(tmp_path):
-    """The CPU job's default command, ``python -m megatron_pp_ext train``, under SLURM."""
+def _nodes() -> list[str]:
+    """The running SLURM's node names, in its order."""
+    listed = subprocess.run(["sinfo", "-h", "-N", "-o", "%N"], env=running_slurm(),
+                            capture_output=True, text=True, timeout=30).stdout.split()
+    return list(dict.fromkeys(listed))
+
+
+CPU_RUN = dict(SCHEDULE="1f1b", PP="4", M="4", STEPS="2")
+
+
+@pytest.fixture(scope="module")
+def one_node_job(tmp_path_factory):
+    """The CPU job on one node: (exit status, output, summary)."""
+    tmp_path = tmp_path_factory.mktemp("one-node")
     out = tmp_path / "out"
-    status, text = _sbatch(tmp_path, CPU_JOB, dict(SCHEDULE="1f1b", PP="2", M="4", STEPS="2",
-                                                   OUT=str(out)))
+    status, text = _sbatch(tmp_path, CPU_JOB, dict(CPU_RUN, OUT=str(out)))
     assert status == 0, text[-4000:]
-    assert "schedule=1f1b pp=2 microbatches=4 steps=2" in text
-    assert "-m megatron_pp_ext train --schedule 1f1b --pp 2 --microbatches 4 --steps 2" in text
+    return text, json.loads((out / "summary.json").read_text())
+
+
+def test_train_cpu_job(one_node_job):
+    """The CPU job's default command, ``python -m megatron_pp_ext train``, under SLURM."""
+    text, summary = one_node_job
+    assert "schedule=1f1b pp=4 microbatches=4 steps=2" in text
+    assert "-m megatron_pp_ext train --schedule 1f1b --pp 4 --microbatches 4 --steps 2" in text
     assert "train_cpu: exit 0" in text
-    summary = json.loads((out / "summary.json").read_text())
-    assert (summary["schedule"], summary["pp"], summary["microbatches"]) == ("1f1b", 2, 4)
+    assert (summary["schedule"], summary["pp"], summary["microbatches"]) == ("1f1b", 4, 4)
+    assert summary["launcher"] == "local"  # one task: train started the ranks on the node
     assert len(summary["losses"]) == 2
     printed = re.findall(r"^step (\d)/2  loss +(\d+\.\d{4}) ", text, re.M)
     assert printed == [("1", f"{summary['losses'][0]:.4f}"), ("2", f"{summary['losses'][1]:.4f}")]
+
+
+def test_train_cpu_job_across_two_nodes(tmp_path, one_node_job):
+    """``sbatch --nodes=2``: 4 srun tasks, 2 a node, so ranks 1 and 2 (pipeline neighbours) are
+    on different hosts (on the local cluster: network namespaces with their own addresses);
+    torch's rendezvous on the first node, gloo across: the same losses as on one node."""
+    nodes = _nodes()
+    if len(nodes) < 2:
+        pytest.fail(f"this SLURM has {len(nodes)} node(s) ({nodes}): the test needs 2; start "
+                    "`bash scripts/slurm/local_cluster.sh start --nodes 2` (scripts/test.sh "
+                    "does)", pytrace=False)
+    out = tmp_path / "out"
+    status, text = _sbatch(tmp_path, CPU_JOB, dict(CPU_RUN, OUT=str(out)),
+                           f"--nodelist={nodes[0]},{nodes[1]}", "--nodes=2")
+    assert status == 0, text[-4000:]
+    placed = re.findall(r"^rank (\d) on node (\S+)$", text, re.M)
+    assert placed == [("0", nodes[0]), ("1", nodes[0]), ("2", nodes[1]), ("3", nodes[1])], text
+    summary = json.loads((out / "summary.json").read_text())
+    assert (summary["launcher"], summary["pp"]) == ("srun", 4)
+    assert summary["losses"] == one_node_job[1]["losses"]
 
 
 def test_a_failing_job_reports_its_exit_status(tmp_path):
@@ -235,9 +272,10 @@ def test_a_failing_job_reports_its_exit_status(tmp_path):
 def test_gpu_job_script_under_slurm_finds_master(tmp_path):
     """train_gpu.sbatch inside a real (GPU-less) allocation, dry run: MASTER_ADDR is the first
     node that ``scontrol show hostnames`` lists."""
+    node = _nodes()[0]
     status, text = _sbatch(tmp_path, GPU_JOB, dict(DRY_RUN="1", GPUS_PER_NODE="8"),
-                           "--gpus-per-node=0", "--nodes=1", "--no-requeue")
+                           "--gpus-per-node=0", "--nodes=1", f"--nodelist={node}",
+                           "--no-requeue")
     assert status == 0, text
-    node = subprocess.run(["hostname", "-s"], capture_output=True, text=True).stdout.strip()
     assert f"--rdzv-endpoint {node}:29500" in text
     assert "--nnodes 1 --nproc-per-node 8" in text
