@@ -172,6 +172,13 @@ def test_a_hung_rank_times_out_naming_the_peer_and_the_pending_action():
     assert out[3]["is_timeout"] and out[3]["peer"] == 2, out[3]
     assert "rank 2 waited for rank 1 and gave up" in out[3]["text"], out[3]["text"]
     assert out[3]["suspects"] == [1], out[3]["text"]
+    # and where the ranks it names run (published at the first step's agreement)
+    import socket
+
+    here = socket.gethostname()
+    assert f"(Hosts: rank 1 on host {here}; rank 2 on host {here}.)" in out[2]["text"]
+    assert f"rank 1 on host {here}" in out[3]["text"] and \
+        f"rank 2 on host {here}" in out[3]["text"], out[3]["text"]
 
 
 # ------------------------------------------------------------------ startup agreement

@@ -24,6 +24,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import threading
 import time
 
@@ -131,6 +132,7 @@ def check_agreement(values: dict, pp_group, rank: int, device: torch.device,
     import torch.distributed as dist
 
     size = dist.get_world_size(pp_group)
+    publish_host()
     mine = torch.tensor([fingerprint(values)], dtype=torch.int64, device=device)
     gathered = [torch.zeros_like(mine) for _ in range(size)]
     started = time.monotonic()
@@ -163,6 +165,41 @@ def check_agreement(values: dict, pp_group, rank: int, device: torch.device,
 _NOTE_PREFIX = "megatron_pp_ext/failure/"
 _FAILURES = "megatron_pp_ext/failures"  # a counter: notes published so far, job-wide
 _STORE_TIMEOUT_S = 2.0
+_HOST_PREFIX = "megatron_pp_ext/host/"  # each rank's host, so a failure can name the peer's
+
+
+def host_name() -> str:
+    """This process's host: SLURM's node name under SLURM (on one machine's network
+    namespaces every node has the same hostname), else the hostname."""
+    import socket
+
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
+def publish_host() -> None:
+    """Write this rank's host into the default store (best effort, bounded)."""
+    import torch.distributed as dist
+
+    store = _store()
+    if store is not None:
+        _bounded(lambda: store.set(f"{_HOST_PREFIX}{dist.get_rank()}", host_name()))
+
+
+def peer_hosts(pp_group, peers) -> dict[int, str]:
+    """{pipeline rank: host} for ``peers`` that published theirs (bounded; may be partial)."""
+    store, members = _store(), _members(pp_group)
+    if store is None or members is None:
+        return {}
+
+    def read():
+        hosts = {}
+        for peer in (r for r in peers if 0 <= r < len(members)):
+            key = f"{_HOST_PREFIX}{members[peer]}"
+            if store.check([key]):
+                hosts[peer] = store.get(key).decode(errors="replace")
+        return hosts
+
+    return _bounded(read) or {}
 
 
 def _store():
@@ -322,6 +359,7 @@ def explain_failure(exc: BaseException, pp_group, rank: int) -> None:
             await_peer_note(pp_group, peer, float(getattr(exc, "waited_s", 0.0)) +
                             _STORE_TIMEOUT_S)
         notes = peer_failures(pp_group, rank)
+        _name_hosts(exc, pp_group, rank, [peer] if isinstance(peer, int) else [])
         if not notes:
             return
         named = {getattr(exc, "peer", None)}
@@ -336,8 +374,21 @@ def explain_failure(exc: BaseException, pp_group, rank: int) -> None:
         exc.args = (str(exc) + extra,) + tuple(exc.args[1:])
         exc.peer_reports = notes
         exc.suspects = suspects
+        _name_hosts(exc, pp_group, rank, [r for r in suspects if r != peer])
     except Exception:  # noqa: BLE001 - explaining must never replace the real error
         return
+
+
+def _name_hosts(exc: BaseException, pp_group, rank: int, peers: list[int]) -> None:
+    """Append where ``peers`` (and this rank) run: on a cluster the lost rank's host is what
+    the user looks for. ``exc.peer_hosts`` collects them."""
+    hosts = peer_hosts(pp_group, peers)
+    if not hosts:
+        return
+    where = ", ".join(f"rank {r} on host {hosts[r]}" for r in sorted(hosts))
+    exc.args = (f"{exc} (Hosts: {where}; rank {rank} on host {host_name()}.)",) + tuple(
+        exc.args[1:])
+    exc.peer_hosts = {**getattr(exc, "peer_hosts", {}), **hosts}
 
 
 def _peers_named(note: str) -> set[int]:
@@ -354,4 +405,5 @@ __all__ = [
     "AgreementTimeoutError", "FINGERPRINT_FIELDS", "settings", "fingerprint",
     "describe_disagreement", "check_agreement", "publish_failure", "peer_failures",
     "await_peer_note", "explain_failure", "failures_published", "peer_failure_watch",
+    "host_name", "publish_host", "peer_hosts",
 ]
