@@ -176,9 +176,10 @@ def test_a_hung_rank_times_out_naming_the_peer_and_the_pending_action():
     import socket
 
     here = socket.gethostname()
-    assert f"(Hosts: rank 1 on host {here}; rank 2 on host {here}.)" in out[2]["text"]
-    assert f"rank 1 on host {here}" in out[3]["text"] and \
-        f"rank 2 on host {here}" in out[3]["text"], out[3]["text"]
+    assert out[2]["text"].endswith(
+        f" Hosts: rank 1 on host {here}; rank 2 (this one) on host {here}."), out[2]["text"]
+    assert out[3]["text"].endswith(f" Hosts: rank 1 on host {here}, rank 2 on host {here}; "
+                                   f"rank 3 (this one) on host {here}."), out[3]["text"]
 
 
 # ------------------------------------------------------------------ startup agreement

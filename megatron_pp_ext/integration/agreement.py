@@ -166,6 +166,7 @@ _NOTE_PREFIX = "megatron_pp_ext/failure/"
 _FAILURES = "megatron_pp_ext/failures"  # a counter: notes published so far, job-wide
 _STORE_TIMEOUT_S = 2.0
 _HOST_PREFIX = "megatron_pp_ext/host/"  # each rank's host, so a failure can name the peer's
+_SETTLED = "megatron_pp_ext/settled"  # a counter: failed ranks done with the store, job-wide
 
 
 def host_name() -> str:
@@ -200,6 +201,39 @@ def peer_hosts(pp_group, peers) -> dict[int, str]:
         return hosts
 
     return _bounded(read) or {}
+
+
+def settled() -> None:
+    """Count this failed rank as done with the store (its note written, its peers' read)."""
+    store = _store()
+    if store is not None:
+        _bounded(lambda: store.add(_SETTLED, 1))
+
+
+def linger_while_peers_explain(within_s: float, quiet_s: float = _STORE_TIMEOUT_S) -> None:
+    """On the rank whose process serves the store (global rank 0 under ``env://``), after a
+    failure: wait until every rank that published a failure note has settled (explained its
+    failure), and no new note came for ``quiet_s`` (a peer that failed a moment after this
+    rank publishes a little later), at most ``within_s``: this process exiting takes the
+    store from peers still writing or reading notes (they would lose the reports, the
+    suspects and the hosts). A rank on a lost node publishes nothing and is not waited for."""
+    store = _store()
+    if store is None:
+        return
+    deadline = time.monotonic() + within_s
+    settled_since = None  # (counts, when): every note published so far has settled
+    while time.monotonic() < deadline:
+        counts = _bounded(lambda: (int(store.add(_FAILURES, 0)), int(store.add(_SETTLED, 0))))
+        if counts is None:
+            return
+        failures, done = counts
+        if done < failures:
+            settled_since = None
+        elif settled_since is None or settled_since[0] != counts:
+            settled_since = (counts, time.monotonic())
+        elif time.monotonic() - settled_since[1] >= quiet_s:
+            return
+        time.sleep(0.1)
 
 
 def _store():
@@ -349,7 +383,14 @@ def peer_failures(pp_group, rank: int, newer_than: int | None = None) -> dict[in
 def explain_failure(exc: BaseException, pp_group, rank: int) -> None:
     """Publish ``exc`` as this rank's note and append what the peers reported (and who is
     suspected of failing first: a rank named as the lost peer that sent no note) to its
-    message. Mutates ``exc`` in place; never raises."""
+    message. Mutates ``exc`` in place; never raises. The rank then counts as settled."""
+    try:
+        _explain(exc, pp_group, rank)
+    finally:
+        settled()
+
+
+def _explain(exc: BaseException, pp_group, rank: int) -> None:
     try:
         publish_failure(pp_group, rank, failure_note(exc, rank))
         peer = getattr(exc, "peer", None)
@@ -358,9 +399,14 @@ def explain_failure(exc: BaseException, pp_group, rank: int) -> None:
             # whether it waited on someone else (see the module docstring).
             await_peer_note(pp_group, peer, float(getattr(exc, "waited_s", 0.0)) +
                             _STORE_TIMEOUT_S)
+        elif isinstance(peer, int):
+            # Lost the connection: a dead peer sends nothing, but gloo also closes a rank's
+            # connections when one of its waits times out, a moment before that rank
+            # publishes why: the store's slack for that note.
+            await_peer_note(pp_group, peer, _STORE_TIMEOUT_S)
         notes = peer_failures(pp_group, rank)
-        _name_hosts(exc, pp_group, rank, [peer] if isinstance(peer, int) else [])
         if not notes:
+            _name_hosts(exc, pp_group, rank, [peer] if isinstance(peer, int) else [])
             return
         named = {getattr(exc, "peer", None)}
         for note in notes.values():
@@ -374,7 +420,7 @@ def explain_failure(exc: BaseException, pp_group, rank: int) -> None:
         exc.args = (str(exc) + extra,) + tuple(exc.args[1:])
         exc.peer_reports = notes
         exc.suspects = suspects
-        _name_hosts(exc, pp_group, rank, [r for r in suspects if r != peer])
+        _name_hosts(exc, pp_group, rank, sorted({peer, *suspects} - {None}))
     except Exception:  # noqa: BLE001 - explaining must never replace the real error
         return
 
@@ -386,8 +432,8 @@ def _name_hosts(exc: BaseException, pp_group, rank: int, peers: list[int]) -> No
     if not hosts:
         return
     where = ", ".join(f"rank {r} on host {hosts[r]}" for r in sorted(hosts))
-    exc.args = (f"{exc} (Hosts: {where}; rank {rank} on host {host_name()}.)",) + tuple(
-        exc.args[1:])
+    exc.args = (f"{exc} Hosts: {where}; rank {rank} (this one) on host {host_name()}.",) + \
+        tuple(exc.args[1:])
     exc.peer_hosts = {**getattr(exc, "peer_hosts", {}), **hosts}
 
 
@@ -405,5 +451,5 @@ __all__ = [
     "AgreementTimeoutError", "FINGERPRINT_FIELDS", "settings", "fingerprint",
     "describe_disagreement", "check_agreement", "publish_failure", "peer_failures",
     "await_peer_note", "explain_failure", "failures_published", "peer_failure_watch",
-    "host_name", "publish_host", "peer_hosts",
+    "host_name", "publish_host", "peer_hosts", "settled", "linger_while_peers_explain",
 ]
