@@ -141,9 +141,13 @@ def test_a_rank_dies_mid_step_and_every_other_rank_names_it():
     # computed, or microbatch 2, whose send rank 2 had posted but gloo had not yet carried
     # when the process died (a send waits for the receiver's receive: under load rank 3 posts
     # it late). Microbatches 0 and 1 did arrive: rank 2 ran B1, which needs rank 3's B1.
+    # Or rank 3 is still to post its fused send_backward_recv_forward (a gradient for rank 2,
+    # the next activation from it) when rank 2 dies, and gloo refuses the post to a closed
+    # connection: seen on a slower machine (2026-12-02), where rank 3 runs behind.
     pending = out[3]["pending"]
     assert any(f"3F{i} (microbatch {i}) waiting for the forward tensor of microbatch {i} "
-               "from rank 2" in pending for i in (2, 3)), pending
+               "from rank 2" in pending for i in (2, 3)) or \
+        pending == "posting send_backward_recv_forward (rank 2)", pending
     # rank 0 only talks to rank 1, yet its error names rank 2 from the peers' reports
     assert out[0]["peer"] == 1
     assert out[0]["suspects"] == [2], out[0]["text"]
