@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import socket
 import threading
 import time
 
@@ -172,8 +173,6 @@ _SETTLED = "megatron_pp_ext/settled"  # a counter: failed ranks done with the st
 def host_name() -> str:
     """This process's host: SLURM's node name under SLURM (on one machine's network
     namespaces every node has the same hostname), else the hostname."""
-    import socket
-
     return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
@@ -210,16 +209,20 @@ def settled() -> None:
         _bounded(lambda: store.add(_SETTLED, 1))
 
 
-def linger_while_peers_explain(within_s: float, quiet_s: float = _STORE_TIMEOUT_S) -> None:
-    """On the rank whose process serves the store (global rank 0 under ``env://``), after a
+def linger_if_serving_the_store(timeout_s: float, quiet_s: float = _STORE_TIMEOUT_S) -> None:
+    """On global rank 0, whose process serves the job's store under ``env://``, after a
     failure: wait until every rank that published a failure note has settled (explained its
     failure), and no new note came for ``quiet_s`` (a peer that failed a moment after this
-    rank publishes a little later), at most ``within_s``: this process exiting takes the
-    store from peers still writing or reading notes (they would lose the reports, the
-    suspects and the hosts). A rank on a lost node publishes nothing and is not waited for."""
+    rank publishes a little later), at most a peer's explaining (one ``timeout_s`` wait on
+    its own peer and four bounded store calls): this process exiting takes the store from
+    peers still writing or reading notes (they would lose the reports, the suspects and the
+    hosts). A rank on a lost node publishes nothing and is not waited for."""
+    import torch.distributed as dist
+
     store = _store()
-    if store is None:
+    if store is None or not dist.is_initialized() or dist.get_rank() != 0:
         return
+    within_s = timeout_s + 4 * _STORE_TIMEOUT_S
     deadline = time.monotonic() + within_s
     settled_since = None  # (counts, when): every note published so far has settled
     while time.monotonic() < deadline:
@@ -451,5 +454,5 @@ __all__ = [
     "AgreementTimeoutError", "FINGERPRINT_FIELDS", "settings", "fingerprint",
     "describe_disagreement", "check_agreement", "publish_failure", "peer_failures",
     "await_peer_note", "explain_failure", "failures_published", "peer_failure_watch",
-    "host_name", "publish_host", "peer_hosts", "settled", "linger_while_peers_explain",
+    "host_name", "publish_host", "peer_hosts", "settled", "linger_if_serving_the_store",
 ]

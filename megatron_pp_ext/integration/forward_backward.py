@@ -529,7 +529,7 @@ def _run_executor(state: RunState, executor: Executor, weight_split, pp_group,
     except PipelineTimeoutError as exc:
         state.failure_baseline = None  # a later step counts only failures after this one
         agreement.explain_failure(exc, pp_group, rank)  # tell the peers, hear theirs
-        _linger_if_serving_the_store(executor.timeout_s)
+        agreement.linger_if_serving_the_store(executor.timeout_s)
         device_helper.abort_group(pp_group)
         raise
     except Exception as exc:  # e.g. a tensor of the wrong shape refused before sending
@@ -537,17 +537,9 @@ def _run_executor(state: RunState, executor: Executor, weight_split, pp_group,
         state.failure_baseline = None
         agreement.publish_failure(pp_group, rank, agreement.failure_note(exc, rank))
         agreement.settled()
-        _linger_if_serving_the_store(executor.timeout_s)
+        agreement.linger_if_serving_the_store(executor.timeout_s)
         device_helper.abort_group(pp_group)  # NCCL: this rank's posted batches never finish
         raise
-
-
-def _linger_if_serving_the_store(timeout_s: float) -> None:
-    """Global rank 0 serves the job's store (``env://``): before its failure ends the process,
-    let the peers still explaining theirs finish (a peer's wait on its own peer, one timeout,
-    and four bounded store calls of 2 s, at most)."""
-    if torch.distributed.is_initialized() and torch.distributed.get_rank() == 0:
-        agreement.linger_while_peers_explain(timeout_s + 4 * 2.0)
 
 
 class ScheduleFunction:
