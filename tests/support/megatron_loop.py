@@ -31,7 +31,10 @@ Megatron-LM's loop assumes CUDA there; the plugin's runtime needs none of them. 
 from __future__ import annotations
 
 import functools
+import json
 import os
+import queue as queue_mod
+import signal
 import sys
 import time
 from typing import Any, Optional, Sequence
@@ -154,7 +157,67 @@ def _patch_table() -> list[tuple[Any, str, Any, str]]:
          "and no Makefile"),
         (torch.cuda, "get_rng_state", lambda *a, **k: torch.empty(0, dtype=torch.uint8),
          "the rerun state machine saves the CUDA RNG state every step (no CUDA RNG here)"),
+        *_checkpoint_patches(),
     ]
+
+
+def _checkpoint_patches() -> list[tuple[Any, str, Any, str]]:
+    """What Megatron's checkpointing (``--save``/``--load``, the default torch_dist format with
+    the distributed optimizer) needs here. The first two are Megatron-Core 0.19.2's Adam
+    fallback without apex and Transformer Engine (the CPU's case; on GPUs TE's FusedAdam keeps
+    the step in the param groups and neither arises); the third is the test harness's."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    results_queue = queue_mod.Queue()
+    return [
+        (DistributedOptimizer, "state_dict", _state_dict_of_a_fresh_optimizer(
+            DistributedOptimizer.state_dict),
+         "without apex/TE, state_dict() reads Adam's step from the per-parameter state, which "
+         "an optimizer built to load a checkpoint does not have yet (assert len(steps) == 1)"),
+        (DistributedOptimizer, "load_state_dict", _with_the_loaded_step(
+            DistributedOptimizer.load_state_dict),
+         "without apex/TE, the dp_reshardable parameter state copies the load template's step "
+         "over the loaded one (measured: 0 loaded where 2 was saved), so Adam's bias correction "
+         "would restart; the loaded param groups hold the saved step"),
+        (filesystem_async, "get_write_results_queue", lambda mp_mode="spawn": results_queue,
+         "the writer's result queue is a multiprocessing Manager's started with 'spawn' (a new "
+         "interpreter importing torch: ~5 s of CPU a rank here), which a daemonic process (the "
+         "harness's ranks) may not start and a killed rank leaves running; a synchronous save "
+         "(no --async-save) writes in this process's threads, so an in-process queue carries "
+         "the same results"),
+    ]
+
+
+def _state_dict_of_a_fresh_optimizer(state_dict):
+    @functools.wraps(state_dict)
+    def patched(self):
+        if len(self.optimizer.state) > 0:
+            return state_dict(self)
+        # A template for loading: step 0 for now; the load puts the saved step in.
+        for group in self.optimizer.param_groups:
+            for param in group["params"]:
+                self.optimizer.state[param] = {"step": torch.tensor(0.0)}
+        try:
+            return state_dict(self)
+        finally:
+            self.optimizer.state.clear()
+
+    return patched
+
+
+def _with_the_loaded_step(load_state_dict):
+    @functools.wraps(load_state_dict)
+    def patched(self, state_dict):
+        load_state_dict(self, state_dict)
+        steps = {group.get("step") for group in state_dict["optimizer"]["param_groups"]}
+        if len(steps) == 1 and None not in steps:
+            step = steps.pop()
+            for state in self.optimizer.state.values():
+                if "step" in state:  # torch's Adam: one tensor per parameter
+                    state["step"] = torch.tensor(float(step), dtype=torch.float32)
+
+    return patched
 
 
 class _NullStreamCtx:
@@ -316,12 +379,19 @@ def forward_step(data_iterator, model):
 
 
 def run_pretrain(rank: int, world_size: int, argv: Sequence[str],
-                 global_init: bool = True) -> dict[str, Any]:
+                 global_init: bool = True, kill_at_iteration: Optional[int] = None,
+                 record_to: Optional[str] = None) -> dict[str, Any]:
     """Run ``pretrain()`` with ``argv`` on this rank; return what ``train_step`` returned each
-    iteration: {'lm loss': [...], 'grad_norm': [...], 'skipped': [...]} ('lm loss' only on the
-    last pipeline rank), the forward_backward_func the loop used, and the stages this rank
-    built ('stages': {stage: (parameters, layer numbers)}). ``global_init=False``: the weights
-    as Megatron (or the V providers) initialise them, not filled from global names."""
+    iteration: {'lm loss': [...], 'grad_norm': [...], 'skipped': [...], 'iteration': [...]}
+    ('lm loss' only on the last pipeline rank; 'iteration': Megatron's count of the steps done
+    before each, so a resumed run's first is the checkpoint's), the forward_backward_func the
+    loop used, and the stages this rank built ('stages': {stage: (parameters, layer numbers)}).
+    ``global_init=False``: the weights as Megatron (or the V providers) initialise them, not
+    filled from global names. ``kill_at_iteration=k``: the rank kills itself (SIGKILL, as
+    ``scancel`` or a lost node would: nothing is flushed or saved) when the loop calls
+    ``train_step`` with iteration k. ``record_to``: a folder where the history so far is
+    written after every step (``history-rank<r>.json``), for a run whose ranks are not this
+    process's children (srun) or that is killed."""
     apply_cpu_patches()
     from megatron.core.enums import ModelType
     from megatron.training import pretrain, training
@@ -341,12 +411,16 @@ def run_pretrain(rank: int, world_size: int, argv: Sequence[str],
     sys.argv = ["pretrain_gpt.py", *argv]
     args = parse_and_validate_args(extra_args_provider=add_pipeline_schedule_args)
     install_from_args(args)
-    history: dict[str, Any] = {"lm loss": [], "grad_norm": [], "skipped": [], "schedule": None}
+    history: dict[str, Any] = {"lm loss": [], "grad_norm": [], "skipped": [], "iteration": [],
+                               "schedule": None, "rank": rank}
     original_train_step = training.train_step  # Megatron's, or --pp-run-ahead's
 
     history["step_end_s"] = []  # when each train_step returned (bench: steady step time)
 
     def recording_train_step(*args, **kwargs):
+        iteration = kwargs.get("iteration", args[7] if len(args) > 7 else None)
+        if kill_at_iteration is not None and iteration == kill_at_iteration:
+            os.kill(os.getpid(), signal.SIGKILL)
         out = original_train_step(*args, **kwargs)
         history["step_end_s"].append(time.perf_counter())
         loss_dict, skipped, grad_norm = out[0], out[1], out[5]
@@ -354,8 +428,11 @@ def run_pretrain(rank: int, world_size: int, argv: Sequence[str],
             history["lm loss"].append(float(loss_dict["lm loss"]))
         history["grad_norm"].append(None if grad_norm is None else float(grad_norm))
         history["skipped"].append(int(skipped))
+        history["iteration"].append(iteration)
         fbf = kwargs.get("forward_backward_func", args[6] if len(args) > 6 else None)
         history["schedule"] = getattr(fbf, "__qualname__", repr(fbf))
+        if record_to is not None:
+            _record(history, record_to)
         return out
 
     training.train_step = recording_train_step  # observation only: records, changes nothing
@@ -383,7 +460,6 @@ def run_pretrain(rank: int, world_size: int, argv: Sequence[str],
         forward_step,
         model_provider=with_global_init(provider, fill=global_init),
     )
-    history["rank"] = rank
     history["stages"] = dict(STAGES_BUILT)
     from megatron_pp_ext.integration.install import current_installation
 
@@ -395,6 +471,14 @@ def run_pretrain(rank: int, world_size: int, argv: Sequence[str],
              "skipped": r.skipped, "replayed": r.replayed, "iteration": r.iteration}
             for r in installation.train_step.reports]
     return history
+
+
+def _record(history: dict[str, Any], folder: str) -> None:
+    """The history so far as JSON, replaced whole (a reader never sees half a file)."""
+    path = os.path.join(folder, f"history-rank{history['rank']}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump({k: v for k, v in history.items() if k != "step_end_s"}, f)
+    os.replace(path + ".tmp", path)
 
 
 def merge_history(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -411,5 +495,5 @@ def merge_history(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
         stages.update(result.get("stages", {}))
     return {"lm loss": losses, "eval lm loss": reporting[0].get("eval lm loss", []),
             "stages": dict(sorted(stages.items())),
-            "grad_norm": results[0]["grad_norm"],
+            "grad_norm": results[0]["grad_norm"], "iteration": results[0]["iteration"],
             "skipped": results[0]["skipped"], "schedule": results[0]["schedule"]}

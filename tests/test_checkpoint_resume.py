@@ -1,0 +1,92 @@
+"""Resume without a lost or changed step (issue 27, item 4): Megatron-LM's real loop
+(``megatron.training.pretrain``, 4 gloo processes, pp=2 x dp=2, --bf16
+--use-distributed-optimizer --clip-grad 1.0 --overlap-grad-reduce) with Megatron's own
+checkpointing (torch_dist, the default format).
+
+Each case: a run with ``--save CK --save-interval 2`` is killed (every rank SIGKILLs itself, as
+``scancel`` does: nothing flushed) when the loop calls ``train_step`` for iteration 3, so the
+third step ran after the checkpoint and is lost; the same command with ``--load CK`` then runs
+iterations 2..4 (0-based). Every resumed step's loss and grad norm equal the uninterrupted
+run's, bit for bit: Megatron's 1F1B, which 1f1b, zb-h1 and zb-h1 with ``--pp-post-validate
+--pp-run-ahead`` reproduce bit for bit (tests/test_pretrain_loop.py, test_post_validation.py).
+
+The run-ahead case is the one where a checkpoint could go wrong: its train_step returns with the
+step's optimizer update still unsettled. The checkpointed step (the second) is clipped, so its
+optimistic, unclipped update is rolled back and redone; a checkpoint of the optimistic state
+would resume from other weights. zb-v (the V layout) is resumed across two SLURM nodes in
+tests/test_slurm.py.
+
+Megatron-Core 0.19.2 without apex and Transformer Engine cannot load its own distributed
+optimizer checkpoint (it asserts, then restarts Adam's step count): the test support's
+``megatron_loop._checkpoint_patches`` say where and why.
+"""
+
+import json
+
+import pytest
+
+from megatron_pp_ext.train.processes import SpawnError, spawn
+from support.megatron_loop import merge_history, pretrain_argv, run_pretrain
+
+ITERS = 5
+SAVE_INTERVAL = 2
+KILLED_AT = 3  # train_step(iteration=3): step 2 ran after the checkpoint at 2 and is lost
+TIMEOUT = 300  # a hang fails the test; nothing is timed
+RUN_AHEAD = ["--pp-post-validate", "--pp-run-ahead"]
+
+pytestmark = pytest.mark.megatron_cpu
+
+
+def _argv(schedule, extra=()):
+    return pretrain_argv(pp=2, dp=2, schedule=schedule, iters=ITERS, extra=list(extra))
+
+
+@pytest.fixture(scope="module")
+def uninterrupted():
+    """Megatron's own 1F1B, 5 iterations, no checkpoint."""
+    return merge_history(spawn(4, run_pretrain, _argv(None), global_init=False,
+                               timeout_s=TIMEOUT))
+
+
+def _steps(results):
+    """{iteration: (loss, grad norm)} of a run's settled steps: train_step's returns, or with
+    --pp-run-ahead the run-ahead reports (the loop logs step k-1 at iteration k)."""
+    if "run_ahead" in results[0]:
+        reports = {r["rank"]: r["run_ahead"] for r in results}
+        grad = {s["iteration"]: s["grad_norm"] for s in reports[0]}
+        losses = {s["iteration"]: s["lm loss"] for rank in reports for s in reports[rank]
+                  if s["lm loss"] is not None}
+        return {i: (losses[i], grad[i]) for i in grad}
+    merged = merge_history(results)
+    return {i: (loss, norm) for i, loss, norm in
+            zip(merged["iteration"], merged["lm loss"], merged["grad_norm"])}
+
+
+@pytest.mark.parametrize("schedule, extra", [("1f1b", []), ("zb-h1", []), ("zb-h1", RUN_AHEAD)],
+                         ids=["1f1b", "zb-h1", "zb-h1-post-validated-run-ahead"])
+def test_a_killed_run_resumes_bit_identical(tmp_path, uninterrupted, schedule, extra):
+    checkpoints, records = tmp_path / "ck", tmp_path / "records"
+    records.mkdir()
+    with pytest.raises(SpawnError, match="died with exit code -9"):
+        spawn(4, run_pretrain, _argv(schedule, [*extra, "--save", str(checkpoints),
+                                                "--save-interval", str(SAVE_INTERVAL)]),
+              global_init=False, kill_at_iteration=KILLED_AT, record_to=str(records),
+              timeout_s=TIMEOUT)
+    # the checkpoint at 2 is complete; the first rank to die had run step 2 (lost with it)
+    assert (checkpoints / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    assert sorted(p.name for p in checkpoints.iterdir()) == [
+        "iter_0000002", "latest_checkpointed_iteration.txt"]
+    killed = [json.loads(p.read_text()) for p in records.glob("history-rank*.json")]
+    assert any(k["iteration"] == [0, 1, 2] for k in killed), [k["iteration"] for k in killed]
+
+    resumed = spawn(4, run_pretrain, _argv(schedule, [*extra, "--load", str(checkpoints)]),
+                    global_init=False, timeout_s=TIMEOUT)
+    steps = _steps(resumed)
+    assert sorted(steps) == [2, 3, 4]
+    reference = {i: (uninterrupted["lm loss"][i], uninterrupted["grad_norm"][i])
+                 for i in range(ITERS)}
+    assert steps == {i: reference[i] for i in (2, 3, 4)}
+    assert uninterrupted["skipped"] == [0] * ITERS
+    # the checkpointed step was clipped (--clip-grad 1.0): run ahead, its optimistic update
+    # was rolled back and redone before the save
+    assert uninterrupted["grad_norm"][SAVE_INTERVAL - 1] > 1.0
