@@ -28,19 +28,20 @@ def pytest_configure(config):
     )
 
 
-#: test modules by their total time, most first (measured serially on 2 cores, 2026-12-01): the
+#: test modules by their total time, most first (measured with -n 2 on 2 cores, 2026-12-02): the
 #: suite's xdist workers take whole modules in collection order (--dist loadscope
 #: --no-loadscope-reorder; xdist's default reorder is by number of tests), so the long
 #: ones go out first and the last minute is made of short modules that both workers share
 #: (rather than one worker finishing a 60 s module while the other waits); a module's fixtures
 #: are built once, on its worker. Others keep their order.
 LONGEST_FIRST = (
-    "test_pretrain_loop", "test_nccl_rules", "test_train_cli", "test_post_validation",
-    "test_memory_train", "test_pipedream_train", "test_nccl_rules_gloo", "test_plan",
-    "test_megatron_cpu_reference", "test_wgrad_layers", "test_slurm", "test_fuzz",
-    "test_failures", "test_executor_inmemory", "test_install", "test_render_cli", "test_auto",
-    "test_runtime_megatron", "test_lowering_pass", "test_model_costs", "test_html_browser",
-    "test_layout", "test_gpu_check", "test_validate",
+    "test_slurm", "test_post_validation", "test_nccl_rules", "test_pretrain_loop",
+    "test_train_cli", "test_memory_train", "test_pipedream_train",
+    "test_megatron_cpu_reference", "test_nccl_rules_gloo", "test_plan", "test_wgrad_layers",
+    "test_lowering_pass", "test_executor_inmemory", "test_failures", "test_runtime_megatron",
+    "test_checkpoint_resume", "test_model_costs", "test_fuzz", "test_layout",
+    "test_html_browser", "test_validate", "test_install", "test_render_cli", "test_gpu_check",
+    "test_auto",
 )
 
 
