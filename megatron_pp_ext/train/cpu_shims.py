@@ -75,6 +75,23 @@ def _synchronize(device: Any = None) -> None:
     return None
 
 
+class NullEvent:
+    """Stands in for a ``torch.cuda.Event`` a stream recorded on the CPU: already complete
+    (Megatron's MoE token dispatcher synchronizes on the event of its device-to-host copies)."""
+
+    def synchronize(self) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+    def wait(self, stream: Any = None) -> None:
+        return None
+
+    def record(self, stream: Any = None) -> None:
+        return None
+
+
 class _NullStream:
     """Stands in for ``torch.cuda.Stream`` on the CPU: every wait is already satisfied."""
 
@@ -93,7 +110,7 @@ class _NullStream:
         return True
 
     def record_event(self, event: Any = None) -> Any:
-        return event
+        return NullEvent() if event is None else event
 
 
 def _current_stream(device: Any = None) -> _NullStream:

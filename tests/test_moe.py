@@ -1,0 +1,82 @@
+"""Mixture-of-experts GPT through Megatron-LM's real loop on the CPU (issue 26, item 3 without
+the overlap): Megatron's MoE layers (``--num-experts 4 --moe-router-topk 2
+--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall``, SequentialMLP experts,
+--bf16), pp=2 x ep=2 on 4 gloo processes (the expert groups are the two data-parallel replicas
+of each pipeline stage), 3 iterations, with the flags of tests/test_pretrain_loop.py.
+
+* 1f1b and zb-h1 train as Megatron's own 1F1B, bit for bit, and zb-h1's W runs the weight
+  GEMMs of every expert, as it does the dense layers' (counted);
+* zb-v and dualpipev (the V layout) train as Megatron's 1F1B within the V layout's tolerance
+  (support.megatron_loop.assert_v_trains_as).
+
+The CPU patches the MoE dispatcher needs (its device-to-host event, its split sizes as host
+arrays) are in support.megatron_loop, each with its reason.
+"""
+
+import pytest
+
+from megatron_pp_ext.train.processes import spawn
+from support.megatron_loop import (
+    assert_v_trains_as,
+    merge_history,
+    pretrain_argv,
+    run_pretrain,
+)
+
+pytestmark = pytest.mark.megatron_cpu
+ITERS = 3
+M = 4  # microbatches per step
+TIMEOUT = 300  # a hang fails the test; nothing is timed
+EXPERTS, EP = 4, 2
+MOE = ["--num-experts", str(EXPERTS), "--moe-router-topk", "2",
+       "--expert-model-parallel-size", str(EP), "--moe-token-dispatcher-type", "alltoall"]
+LAYERS_PER_STAGE = 4  # 8 layers over pp=2
+MEGATRON_1F1B = "forward_backward_pipelining_without_interleaving"
+
+_RUNS: dict = {}
+
+
+def _pretrain(schedule=None, vp=None):
+    """Every rank's history (one launch per schedule, shared by this module's tests)."""
+    if (schedule, vp) not in _RUNS:
+        argv = pretrain_argv(pp=2, dp=2, schedule=schedule, vp=vp, iters=ITERS,
+                             num_microbatches=M, extra=MOE)
+        _RUNS[schedule, vp] = spawn(4, run_pretrain, argv, global_init=False, timeout_s=TIMEOUT)
+    return _RUNS[schedule, vp]
+
+
+@pytest.fixture(scope="module")
+def megatron_1f1b():
+    out = merge_history(_pretrain())
+    assert out["schedule"] == MEGATRON_1F1B
+    assert out["skipped"] == [0] * ITERS and out["lm loss"][-1] != out["lm loss"][0]
+    return out
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_loop_schedules_train_the_moe_gpt_as_megatrons_1f1b(megatron_1f1b, schedule):
+    out = merge_history(_pretrain(schedule))
+    assert out["schedule"] == f"ScheduleFunction({schedule!r})"
+    assert out["lm loss"] == megatron_1f1b["lm loss"]
+    assert out["grad_norm"] == megatron_1f1b["grad_norm"]
+
+
+def test_zb_h1_defers_every_experts_weight_gradient_to_w():
+    """Per microbatch and layer, W runs the attention's two weight GEMMs (QKV, projection) and
+    FC1 and FC2 of each of the EXPERTS / EP experts on this rank (SequentialMLP: Megatron
+    linears), and the output layer's on the last stage; nothing runs whole in I."""
+    local_experts = EXPERTS // EP
+    per_layer = 2 + 2 * local_experts
+    for history in _pretrain("zb-h1"):
+        last_stage = history["rank"] in (2, 3)  # Megatron's order: pipeline ranks {0,2},{1,3}
+        expected = M * (LAYERS_PER_STAGE * per_layer + (1 if last_stage else 0))
+        for stats in history["weight_grads"]:
+            assert stats["deferred"] == stats["in_w"] == expected, (history["rank"], stats)
+            assert stats["kept_in_i"] == 0 and stats["by_kind"] == {"linear": expected}
+
+
+@pytest.mark.parametrize("schedule", ["zb-v", "dualpipev"])
+def test_v_schedules_train_the_moe_gpt_as_megatrons_1f1b(megatron_1f1b, schedule):
+    out = merge_history(_pretrain(schedule, vp=2))
+    assert out["schedule"] == f"ScheduleFunction({schedule!r})"
+    assert_v_trains_as(out, megatron_1f1b)
