@@ -56,9 +56,24 @@ class Wait:
 
 
 @dataclass(frozen=True)
+class Collective:
+    """A collective an action issues inside its compute, on a group other than the
+    pipeline's: e.g. an MoE layer's all-to-all on the expert group. Its ranks must issue the
+    group's collectives in one order (``analysis.collectives``)."""
+
+    group: str  # e.g. "expert"
+    op: str  # e.g. "all_to_all"
+    what: str = ""  # which one, e.g. "layer 2 dispatch"
+
+    def __str__(self) -> str:
+        return f"{self.op} on the {self.group} group" + (f" ({self.what})" if self.what else "")
+
+
+@dataclass(frozen=True)
 class Compute:
     action: str
     paired: bool = False  # computed in one call with the next Compute (DualPipe's F&B pair)
+    collectives: tuple[Collective, ...] = ()  # issued inside, in order (the model's layers)
 
 
 @dataclass
@@ -107,7 +122,7 @@ class Program:
         for step in self.steps[rank]:
             if isinstance(step, Compute):
                 lines.append(step.action + (" (in one call with the next)" if step.paired
-                                            else ""))
+                                            else "") + _collectives_text(step.collectives))
             elif isinstance(step, Post):
                 ops = ", ".join(f"{op.kind} {op.label} {'->' if op.kind == SEND else '<-'} "
                                 f"{op.peer}" for op in step.batch.ops)
@@ -115,6 +130,17 @@ class Program:
             else:
                 lines.append(f"wait #{step.batch}")
         return "\n".join(lines)
+
+
+def _collectives_text(collectives: tuple[Collective, ...]) -> str:
+    """`` {12 all_to_all on the expert group}``: what a compute step issues, counted by kind."""
+    if not collectives:
+        return ""
+    counts: dict[tuple[str, str], int] = {}
+    for c in collectives:
+        counts[c.op, c.group] = counts.get((c.op, c.group), 0) + 1
+    return " {" + ", ".join(f"{n} {op} on the {group} group"
+                            for (op, group), n in counts.items()) + "}"
 
 
 # --------------------------------------------------------------------------------------------

@@ -7,7 +7,10 @@ of each pipeline stage), 3 iterations, with the flags of tests/test_pretrain_loo
 * 1f1b and zb-h1 train as Megatron's own 1F1B, bit for bit, and zb-h1's W runs the weight
   GEMMs of every expert, as it does the dense layers' (counted);
 * zb-v and dualpipev (the V layout) train as Megatron's 1F1B within the V layout's tolerance
-  (support.megatron_loop.assert_v_trains_as).
+  (support.megatron_loop.assert_v_trains_as);
+* the expert groups' all-to-alls are agreed before the first step: data-parallel replicas
+  run with different schedules are refused on every rank, naming the first all-to-all where
+  two ranks of an expert group part (issue 26, item 2).
 
 The CPU patches the MoE dispatcher needs (its device-to-host event, its split sizes as host
 arrays) are in support.megatron_loop, each with its reason.
@@ -15,12 +18,13 @@ arrays) are in support.megatron_loop, each with its reason.
 
 import pytest
 
-from megatron_pp_ext.train.processes import spawn
+from megatron_pp_ext.train.processes import SpawnError, spawn
 from support.megatron_loop import (
     assert_v_trains_as,
     merge_history,
     pretrain_argv,
     run_pretrain,
+    run_pretrain_of_rank,
 )
 
 pytestmark = pytest.mark.megatron_cpu
@@ -80,3 +84,29 @@ def test_v_schedules_train_the_moe_gpt_as_megatrons_1f1b(megatron_1f1b, schedule
     out = merge_history(_pretrain(schedule, vp=2))
     assert out["schedule"] == f"ScheduleFunction({schedule!r})"
     assert_v_trains_as(out, megatron_1f1b)
+
+
+def test_replicas_with_different_schedules_are_refused_before_any_p2p():
+    """Replica A (pipeline ranks 0 and 2) runs 1f1b, replica B (1 and 3) gpipe: each replica's
+    pipeline ranks agree among themselves, but the two ranks of each expert group would issue
+    their all-to-alls in different orders (1F1B's first backward where GPipe runs its next
+    forward). Every rank raises the same ValueError at its first step, before the pipeline
+    sends anything; without the check the all-to-alls pair up wrongly."""
+    argvs = [pretrain_argv(pp=2, dp=2, schedule=schedule, iters=1, num_microbatches=M,
+                           extra=MOE) for schedule in ("1f1b", "gpipe", "1f1b", "gpipe")]
+    with pytest.raises(SpawnError) as failed:
+        spawn(4, run_pretrain_of_rank, argvs, global_init=False, timeout_s=TIMEOUT)
+    text = str(failed.value)
+    assert "ranks [" in text and "failed too" in text  # every rank, not one
+    # stage 0 (ranks 0, 1): 1F1B's warm-up is 1 forward, then 0B0 where GPipe runs 0F2: the
+    # 25th all-to-all (2 forwards x 4 MoE layers x 3); stage 1 (ranks 2, 3): 1B0 against 1F1,
+    # the 13th. Whichever rank reported first:
+    assert ("at collective #25 on that group, rank 0 issues all_to_all on the expert group "
+            "(MoE layer 3 combine (gradient)) in action 0B0 and rank 1 issues all_to_all on the "
+            "expert group (MoE layer 0 dispatch tokens) in action 0F2 (96 and 96 in a step)"
+            in text) or (
+            "at collective #13 on that group, rank 2 issues all_to_all on the expert group "
+            "(MoE layer 3 combine (gradient)) in action 1B0 and rank 3 issues all_to_all on the "
+            "expert group (MoE layer 0 dispatch tokens) in action 1F1 (96 and 96 in a step)"
+            in text), text[-3000:]
+    assert "run every replica with the same schedule" in text

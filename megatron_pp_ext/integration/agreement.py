@@ -126,10 +126,14 @@ def _wait(work, timeout_s: float, polled: bool) -> bool:
 
 
 def check_agreement(values: dict, pp_group, rank: int, device: torch.device,
-                    timeout_s: float = 600.0, polled: bool = False) -> None:
+                    timeout_s: float = 600.0, polled: bool = False,
+                    purpose: str = "the schedule", who: str = "pipeline",
+                    describe=None) -> None:
     """Collective over ``pp_group``: raise ``ValueError`` on every rank if the ranks' ``values``
     differ. Costs one all-gather of one int64 per rank when they agree. ``polled``: wait by
-    polling (NCCL, whose waits do not block the host)."""
+    polling (NCCL, whose waits do not block the host). Another group whose ranks must agree
+    (an expert group) passes ``purpose`` (what they agree on), ``who`` (its ranks' name) and
+    ``describe(values_by_rank, global_ranks)`` (the error's text)."""
     import torch.distributed as dist
 
     size = dist.get_world_size(pp_group)
@@ -142,13 +146,13 @@ def check_agreement(values: dict, pp_group, rank: int, device: torch.device,
         finished = _wait(work, timeout_s, polled)
     except RuntimeError as exc:
         raise AgreementTimeoutError(
-            f"pipeline rank {rank} lost a peer while the pipeline ranks agreed on the schedule "
+            f"{who} rank {rank} lost a peer while the {who} ranks agreed on {purpose} "
             f"before the first step ({' '.join(str(exc).split())[:300]}): another rank died or "
             "raised before reaching this point; see its log") from exc
     if not finished:
         raise AgreementTimeoutError(
-            f"pipeline rank {rank} waited {time.monotonic() - started:.1f} s for the other "
-            f"{size - 1} pipeline ranks to agree on the schedule before the first step: some "
+            f"{who} rank {rank} waited {time.monotonic() - started:.1f} s for the other "
+            f"{size - 1} {who} ranks to agree on {purpose} before the first step: some "
             "rank did not call the pipelined forward_backward_func (it raised, died, or runs "
             "another code path); see the other ranks' logs")
     if len({int(t.item()) for t in gathered}) == 1:
@@ -159,7 +163,7 @@ def check_agreement(values: dict, pp_group, rank: int, device: torch.device,
         global_ranks = dist.get_process_group_ranks(pp_group) if pp_group is not None else None
     except Exception:  # noqa: BLE001 - naming global ranks is a courtesy
         global_ranks = None
-    raise ValueError(describe_disagreement(values_by_rank, global_ranks))
+    raise ValueError((describe or describe_disagreement)(values_by_rank, global_ranks))
 
 
 # ---------------------------------------------------------------- failure notes

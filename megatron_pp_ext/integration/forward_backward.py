@@ -35,6 +35,7 @@ from .. import device as device_helper
 from ..analysis.lowering import runtime_program
 from ..analysis.program_steps import compile_steps
 from ..ir import Schedule, ScheduleError
+from ..program import Program
 from ..runtime import trace as tracing
 from ..runtime.errors import PipelineTimeoutError
 from ..runtime.executor import Executor, StepResult
@@ -44,6 +45,7 @@ from ..schedules import AUTO, AUTO_LAYOUT, build_schedule, get_spec, schedule_la
 from ..timeline import Timeline
 from . import agreement
 from .auto import AutoSchedule
+from .expert_groups import check_expert_group
 from .loss_relay import needs_relay, relay_losses, share_token_count
 from .megatron_stage import GradSync, MegatronStageWork, offers_overlapped_pairs
 from .options import PipelineOptions
@@ -84,16 +86,21 @@ class RunState:
             self.steps_run, self.auto = 0, None
         self.options = options
 
-    def program_steps(self, schedule: Schedule, rank: int, *, batched: bool, prefetch: bool,
-                      overlapped_pairs: bool, variable_shapes: bool, timed: bool) -> list:
-        """This rank's part of the program the executor interprets (``lowering.runtime_program``),
-        compiled; lowered (and on NCCL checked against NCCL's rules: ScheduleError, before any
-        byte moves, if it could hang) once per schedule and posting."""
-        how = (batched, prefetch, overlapped_pairs, variable_shapes)
-        program = self._derived(("program", *how), schedule, lambda: runtime_program(
-            schedule, batched=batched, prefetch=prefetch, overlapped_pairs=overlapped_pairs,
-            variable_shapes=variable_shapes))
-        return self._derived(("steps", rank, timed, *how), schedule,
+    def program(self, schedule: Schedule, *, batched: bool, prefetch: bool,
+                overlapped_pairs: bool, variable_shapes: bool) -> Program:
+        """The program the executor interprets (``lowering.runtime_program``): lowered (and on
+        NCCL checked against NCCL's rules: ScheduleError, before any byte moves, if it could
+        hang) once per schedule and posting."""
+        return self._derived(
+            ("program", batched, prefetch, overlapped_pairs, variable_shapes), schedule,
+            lambda: runtime_program(schedule, batched=batched, prefetch=prefetch,
+                                    overlapped_pairs=overlapped_pairs,
+                                    variable_shapes=variable_shapes))
+
+    def program_steps(self, program: Program, schedule: Schedule, rank: int,
+                      timed: bool) -> list:
+        """This rank's part of ``program``, compiled, once per program."""
+        return self._derived(("steps", id(program), rank, timed), schedule,
                              lambda: compile_steps(program, rank, schedule, timed=timed))
 
     def _derived(self, what: tuple, schedule: Schedule, derive):
@@ -379,8 +386,8 @@ def run_step(
     pipeline_dtype = config.pipeline_dtype or torch.float32
     transport = _transport_for(pp_group)
     steps, (first_timeout, later_timeout) = _checked_program(
-        state, options, schedule, rank, pp_group, transport, models, config, forward_only,
-        recv_shape, variable, pipeline_dtype)
+        state, options, schedule, rank, pp_group, pg_collection, transport, models, config,
+        forward_only, recv_shape, variable, pipeline_dtype)
     finalizing = config.finalize_model_grads_func is not None and not forward_only
     embedding_module = (clear_embedding_activation_buffer(config, models, last_stage_here)
                         if finalizing else None)
@@ -476,20 +483,26 @@ def _step_schedule(state: RunState, models, p: int, pp_group, num_microbatches: 
 
 
 def _checked_program(state: RunState, options: PipelineOptions, schedule: Schedule,
-                     rank: int, pp_group, transport, models, config, forward_only: bool,
-                     recv_shape, variable: bool, pipeline_dtype):
+                     rank: int, pp_group, pg_collection, transport, models, config,
+                     forward_only: bool, recv_shape, variable: bool, pipeline_dtype):
     """(this rank's compiled program, (first-step timeout, later timeout)) after the
-    first step's checks: the program (on NCCL checked against NCCL's rules) and the
-    agreement of the pipeline ranks, before anything is sent."""
-    steps = state.program_steps(
-        schedule, rank, batched=getattr(transport, "batched", False),
+    first step's checks: the program (on NCCL checked against NCCL's rules), the agreement of
+    the pipeline ranks and, for an MoE model, of each expert group's ranks on the order of
+    their collectives, before anything is sent."""
+    program = state.program(
+        schedule, batched=getattr(transport, "batched", False),
         prefetch=getattr(transport, "prefetch_receives", False) and config.timers is None,
-        overlapped_pairs=offers_overlapped_pairs(models), variable_shapes=variable,
-        timed=config.timers is not None)
+        overlapped_pairs=offers_overlapped_pairs(models), variable_shapes=variable)
     timeouts = options.timeouts(device_helper.group_timeout_s(pp_group))
     _first_step_checks(state, options, schedule, pp_group, rank, forward_only, recv_shape,
                        pipeline_dtype, variable, transport.device, timeouts[0])
-    return steps, timeouts
+    expert_key = ("expert groups", id(program))
+    if expert_key not in state.agreed:
+        check_expert_group(program, schedule, rank, models, config, pg_collection,
+                           transport.device, timeouts[0],
+                           polled=not device_helper.waits_block_host(pp_group))
+        state.agreed.add(expert_key)
+    return state.program_steps(program, schedule, rank, timed=config.timers is not None), timeouts
 
 
 def _p2p_shape(config, chunks: int, seq_length: int, micro_batch_size: int,

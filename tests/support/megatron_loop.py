@@ -44,6 +44,7 @@ import torch
 __all__ = [
     "pretrain_argv",
     "run_pretrain",
+    "run_pretrain_of_rank",
     "merge_history",
     "assert_v_trains_as",
     "apply_cpu_patches",
@@ -489,6 +490,12 @@ def run_pretrain(rank: int, world_size: int, argv: Sequence[str],
              "skipped": r.skipped, "replayed": r.replayed, "iteration": r.iteration}
             for r in installation.train_step.reports]
     return history
+
+
+def run_pretrain_of_rank(rank: int, world_size: int, argvs: Sequence[Sequence[str]],
+                         **kwargs) -> dict[str, Any]:
+    """:func:`run_pretrain` with ``argvs[rank]``: ranks launched with different arguments."""
+    return run_pretrain(rank, world_size, argvs[rank], **kwargs)
 
 
 def _record(history: dict[str, Any], folder: str) -> None:
