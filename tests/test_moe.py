@@ -18,8 +18,12 @@ arrays) are in support.megatron_loop, each with its reason.
 
 import pytest
 
+from megatron_pp_ext.analysis.collectives import issued, moe_collectives, with_collectives
+from megatron_pp_ext.analysis.lowering import lower
+from megatron_pp_ext.schedules import build_schedule
 from megatron_pp_ext.train.processes import SpawnError, spawn
 from support.megatron_loop import (
+    NUM_LAYERS,
     assert_v_trains_as,
     merge_history,
     pretrain_argv,
@@ -84,6 +88,21 @@ def test_v_schedules_train_the_moe_gpt_as_megatrons_1f1b(megatron_1f1b, schedule
     out = merge_history(_pretrain(schedule, vp=2))
     assert out["schedule"] == f"ScheduleFunction({schedule!r})"
     assert_v_trains_as(out, megatron_1f1b)
+
+
+@pytest.mark.parametrize("schedule, vp", [("1f1b", None), ("zb-h1", None), ("zb-v", 2),
+                                          ("dualpipev", 2)])
+def test_each_rank_issues_the_all_to_alls_its_program_records(schedule, vp):
+    """The all_to_all_single calls each rank makes in a step (counted in the run) are those
+    the lowered program records for its actions (analysis.collectives: 3 per MoE layer each
+    way, none in W): 96 on every rank here (4 microbatches x 4 layers x (3 + 3))."""
+    built = build_schedule(schedule, 2, M, chunks=vp)
+    layers = {stage: NUM_LAYERS // built.num_stages for stage in range(built.num_stages)}
+    per_action = moe_collectives(layers)
+    for history in _pretrain(schedule, vp):
+        pp_rank = history["rank"] // 2  # Megatron's order: pipelines {0, 2} and {1, 3}
+        recorded = issued(with_collectives(lower(built), per_action), pp_rank)
+        assert history["all_to_all"] == [len(recorded)] * ITERS == [96] * ITERS
 
 
 def test_replicas_with_different_schedules_are_refused_before_any_p2p():

@@ -24,9 +24,10 @@ from ..program import Collective, Compute, Program
 EXPERT = "expert"
 
 #: Per MoE layer, the expert-group collectives of its forward and of its input-gradient
-#: backward, for Megatron-Core 0.19.2's alltoall dispatcher (measured: 3 all_to_all_single
-#: calls on the expert group per layer and microbatch each way; tests/test_collectives.py
-#: counts them in a run). The experts' weight gradients (W) are local: none there.
+#: backward, for Megatron-Core 0.19.2's alltoall dispatcher: 3 all_to_all_single calls on the
+#: expert group per layer and microbatch each way (tests/test_moe.py counts every rank's calls
+#: in a run of each schedule against this table). The experts' weight gradients (W) are
+#: local: none there.
 MOE_PER_LAYER = {
     "alltoall": (("dispatch tokens", "dispatch probs", "combine"),
                  ("combine (gradient)", "dispatch (gradient)", "dispatch (gradient)")),

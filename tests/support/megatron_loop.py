@@ -401,7 +401,8 @@ def run_pretrain(rank: int, world_size: int, argv: Sequence[str],
     ('lm loss' only on the last pipeline rank; 'iteration': Megatron's count of the steps done
     before each, so a resumed run's first is the checkpoint's; 'weight_grads': the plugin's
     count of the weight GEMMs its I queued and W ran each step, ``runtime.wgrad``'s
-    ``WeightGradStats``, None without an I/W split), the forward_backward_func the loop used,
+    ``WeightGradStats``, None without an I/W split; 'all_to_all': the ``all_to_all_single``
+    calls this rank made in each step), the forward_backward_func the loop used,
     and the stages this rank built ('stages': {stage: (parameters, layer numbers)}).
     ``global_init=False``: the weights as Megatron (or the V providers) initialise them, not
     filled from global names. ``kill_at_iteration=k``: the rank kills itself (SIGKILL, as
@@ -429,7 +430,9 @@ def run_pretrain(rank: int, world_size: int, argv: Sequence[str],
     args = parse_and_validate_args(extra_args_provider=add_pipeline_schedule_args)
     install_from_args(args)
     history: dict[str, Any] = {"lm loss": [], "grad_norm": [], "skipped": [], "iteration": [],
-                               "weight_grads": [], "schedule": None, "rank": rank}
+                               "weight_grads": [], "all_to_all": [], "schedule": None,
+                               "rank": rank}
+    _count_all_to_all()
     original_train_step = training.train_step  # Megatron's, or --pp-run-ahead's
 
     history["step_end_s"] = []  # when each train_step returned (bench: steady step time)
@@ -438,6 +441,7 @@ def run_pretrain(rank: int, world_size: int, argv: Sequence[str],
         iteration = kwargs.get("iteration", args[7] if len(args) > 7 else None)
         if kill_at_iteration is not None and iteration == kill_at_iteration:
             os.kill(os.getpid(), signal.SIGKILL)
+        calls_before = _ALL_TO_ALL_CALLS[0]
         out = original_train_step(*args, **kwargs)
         history["step_end_s"].append(time.perf_counter())
         loss_dict, skipped, grad_norm = out[0], out[1], out[5]
@@ -446,6 +450,7 @@ def run_pretrain(rank: int, world_size: int, argv: Sequence[str],
         history["grad_norm"].append(None if grad_norm is None else float(grad_norm))
         history["skipped"].append(int(skipped))
         history["iteration"].append(iteration)
+        history["all_to_all"].append(_ALL_TO_ALL_CALLS[0] - calls_before)
         fbf = kwargs.get("forward_backward_func", args[6] if len(args) > 6 else None)
         history["schedule"] = getattr(fbf, "__qualname__", repr(fbf))
         last_step = getattr(getattr(fbf, "state", None), "last_step", None)  # the plugin's
@@ -490,6 +495,27 @@ def run_pretrain(rank: int, world_size: int, argv: Sequence[str],
              "skipped": r.skipped, "replayed": r.replayed, "iteration": r.iteration}
             for r in installation.train_step.reports]
     return history
+
+
+_ALL_TO_ALL_CALLS = [0]
+
+
+def _count_all_to_all() -> None:
+    """Count this process's ``all_to_all_single`` calls (observation only: MoE layers issue
+    them on the expert group), once per process."""
+    import torch.distributed as dist
+
+    if getattr(dist.all_to_all_single, "counted", False):
+        return
+    original = dist.all_to_all_single
+
+    @functools.wraps(original)
+    def counted(*args, **kwargs):
+        _ALL_TO_ALL_CALLS[0] += 1
+        return original(*args, **kwargs)
+
+    counted.counted = True
+    dist.all_to_all_single = counted
 
 
 def run_pretrain_of_rank(rank: int, world_size: int, argvs: Sequence[Sequence[str]],
