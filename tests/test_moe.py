@@ -19,7 +19,8 @@ arrays) are in support.megatron_loop, each with its reason.
 import pytest
 
 from megatron_pp_ext.analysis.collectives import issued, moe_collectives, with_collectives
-from megatron_pp_ext.analysis.lowering import lower
+from megatron_pp_ext.analysis.lowering import lower, runtime_program
+from megatron_pp_ext.program import Compute
 from megatron_pp_ext.schedules import build_schedule
 from megatron_pp_ext.train.processes import SpawnError, spawn
 from support.megatron_loop import (
@@ -40,17 +41,20 @@ MOE = ["--num-experts", str(EXPERTS), "--moe-router-topk", "2",
        "--expert-model-parallel-size", str(EP), "--moe-token-dispatcher-type", "alltoall"]
 LAYERS_PER_STAGE = 4  # 8 layers over pp=2
 MEGATRON_1F1B = "forward_backward_pipelining_without_interleaving"
+MEGATRON_INTERLEAVED = "forward_backward_pipelining_with_interleaving"
+OVERLAP = "--overlap-moe-expert-parallel-comm"
 
 _RUNS: dict = {}
 
 
-def _pretrain(schedule=None, vp=None):
-    """Every rank's history (one launch per schedule, shared by this module's tests)."""
-    if (schedule, vp) not in _RUNS:
+def _pretrain(schedule=None, vp=None, overlap=False):
+    """Every rank's history (one launch per configuration, shared by this module's tests)."""
+    key = (schedule, vp, overlap)
+    if key not in _RUNS:
         argv = pretrain_argv(pp=2, dp=2, schedule=schedule, vp=vp, iters=ITERS,
-                             num_microbatches=M, extra=MOE)
-        _RUNS[schedule, vp] = spawn(4, run_pretrain, argv, global_init=False, timeout_s=TIMEOUT)
-    return _RUNS[schedule, vp]
+                             num_microbatches=M, extra=MOE + ([OVERLAP] if overlap else []))
+        _RUNS[key] = spawn(4, run_pretrain, argv, global_init=False, timeout_s=TIMEOUT)
+    return _RUNS[key]
 
 
 @pytest.fixture(scope="module")
@@ -129,3 +133,53 @@ def test_replicas_with_different_schedules_are_refused_before_any_p2p():
             "expert group (MoE layer 0 dispatch tokens) in action 1F1 (96 and 96 in a step)"
             in text), text[-3000:]
     assert "run every replica with the same schedule" in text
+
+
+# ------------------------------------------------ --overlap-moe-expert-parallel-comm (item 1)
+# On the CPU nothing runs concurrently (the test support's CPU patches make Megatron's CUDA
+# streams and events no-ops: one thread runs the compute and communication nodes in order),
+# but the per-layer plan does run: each F&B pair as one combined call, layer by layer. The
+# overlap must not change the arithmetic.
+
+
+def _same_run(out, ref):
+    assert out["lm loss"] == ref["lm loss"] and out["grad_norm"] == ref["grad_norm"]
+
+
+def test_dualpipev_pairs_run_through_megatrons_plan_bit_identical():
+    """dualpipev with the flag: every F&B pair of the schedule (2 per step on each rank at
+    p=2, m=4) is one call of Megatron's combined_forward_backward_step, the other F's and B's
+    go through it alone; losses, grad norms and the W's weight GEMMs are those without it."""
+    plain, overlapped = _pretrain("dualpipev", 2), _pretrain("dualpipev", 2, overlap=True)
+    _same_run(merge_history(overlapped), merge_history(plain))
+    program = runtime_program(build_schedule("dualpipev", 2, M, chunks=2), batched=False,
+                              overlapped_pairs=True)
+    for with_flag, without in zip(overlapped, plain):
+        pp_rank = with_flag["rank"] // 2
+        pairs = sum(isinstance(step, Compute) and step.paired for step in program.steps[pp_rank])
+        assert with_flag["overlapped_pairs"] == [pairs] * ITERS == [2] * ITERS
+        assert without["overlapped_pairs"] == [None] * ITERS
+        assert [w["deferred"] for w in with_flag["weight_grads"]] == \
+            [w["deferred"] for w in without["weight_grads"]]
+
+
+def test_interleaved_with_the_flag_is_megatrons_combined_1f1b_bit_for_bit():
+    """Megatron's own combined 1F1B (its interleaved schedule with the flag) runs here with
+    the CPU patches, and the plugin's interleaved with the flag trains as it does, bit for bit.
+    The plugin's interleaved has no F&B pairs: each rank reports 0 (and warns)."""
+    megatron = merge_history(_pretrain(vp=2, overlap=True))
+    assert megatron["schedule"] == MEGATRON_INTERLEAVED
+    ours = _pretrain("interleaved", 2, overlap=True)
+    _same_run(merge_history(ours), megatron)
+    assert all(h["overlapped_pairs"] == [0] * ITERS for h in ours)
+
+
+def test_zb_v_with_the_flag_runs_every_f_and_i_through_the_plan_bit_identical():
+    """zb-v (no pairs) with the flag: its lone F's and I's through Megatron's combined step,
+    the loss applied on rank 0's second chunk (the V layout's last stage, which Megatron's
+    parallel state does not know), W's unchanged: the same run as without the flag."""
+    plain, overlapped = _pretrain("zb-v", 2), _pretrain("zb-v", 2, overlap=True)
+    _same_run(merge_history(overlapped), merge_history(plain))
+    for with_flag, without in zip(overlapped, plain):
+        assert with_flag["overlapped_pairs"] == [0] * ITERS
+        assert with_flag["weight_grads"][0]["deferred"] == without["weight_grads"][0]["deferred"]

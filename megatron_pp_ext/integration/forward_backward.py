@@ -74,6 +74,9 @@ class RunState:
     #: NCCL: failure notes published when the run last went well (read again after a failed
     #: step); a wait stops on a peer's note numbered above it
     failure_baseline: int | None = None
+    #: --overlap-moe-expert-parallel-comm: the F&B pairs the last step ran in one combined
+    #: call on this rank (logged when it changes); None before the first such step
+    overlapped_pairs: int | None = None
     #: per schedule: what the executor derives from it once (the program, lowered and
     #: checked, and this rank's part of it compiled); the schedule object is kept beside
     #: them, so an id is never reused while cached
@@ -326,6 +329,24 @@ def _first_step_checks(state: RunState, options: PipelineOptions, schedule: Sche
             logger.info("%s", plan_text(schedule, recv_shape, dtype))
 
 
+def _report_overlap(state: RunState, pairs: int | None, schedule: Schedule, rank: int) -> None:
+    """--overlap-moe-expert-parallel-comm: each rank logs how many F&B pairs ran through
+    Megatron's combined step, at its first step and whenever the number changes; none is a
+    warning (the schedule has no pairs: every F and B ran alone, nothing was hidden)."""
+    if pairs is None or state.overlapped_pairs == pairs:
+        return
+    state.overlapped_pairs = pairs
+    if pairs:
+        logger.info("megatron-pp-ext: overlapped F&B pairs: %d per step on pipeline rank %d "
+                    "(%s)", pairs, rank, schedule.name)
+    else:
+        logger.warning(
+            "megatron-pp-ext: overlapped F&B pairs: 0 on pipeline rank %d: "
+            "--overlap-moe-expert-parallel-comm asks to hide the MoE all-to-alls behind another "
+            "microbatch's compute, but schedule %r has no F&B pairs, so every forward and "
+            "backward ran alone (dualpipev has them)", rank, schedule.name)
+
+
 def _trace_step(state: RunState, result: StepResult, schedule: Schedule, rank: int, pp_group,
                 device, config, trace_dir: str | None = None) -> None:
     """Gather the measured timeline to pipeline rank 0, predict the same schedule under the
@@ -420,6 +441,7 @@ def run_step(
         config.timers("forward-backward").stop()
     _observe(state, options, result, schedule, rank, pp_group, transport.device, config,
              auto if measuring else None, memory_probe)
+    _report_overlap(state, work.overlapped_pairs(), schedule, rank)
     state.last_step, state.last_schedule = result, schedule
     state.steps_run += 1
     if needs_relay(schedule):
@@ -492,7 +514,8 @@ def _checked_program(state: RunState, options: PipelineOptions, schedule: Schedu
     program = state.program(
         schedule, batched=getattr(transport, "batched", False),
         prefetch=getattr(transport, "prefetch_receives", False) and config.timers is None,
-        overlapped_pairs=offers_overlapped_pairs(models), variable_shapes=variable)
+        overlapped_pairs=offers_overlapped_pairs(models, None if forward_only else config),
+        variable_shapes=variable)
     timeouts = options.timeouts(device_helper.group_timeout_s(pp_group))
     _first_step_checks(state, options, schedule, pp_group, rank, forward_only, recv_shape,
                        pipeline_dtype, variable, transport.device, timeouts[0])

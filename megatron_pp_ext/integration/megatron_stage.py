@@ -15,6 +15,7 @@ from megatron.core.pipeline_parallel.schedules import (
 )
 
 from ..ir import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action, Schedule
+from . import moe_overlap
 
 
 class GradSync:
@@ -139,10 +140,12 @@ def _overlap_hook(chunk):
     return getattr(_unwrapped(chunk), "overlapped_forward_backward", None)
 
 
-def offers_overlapped_pairs(model_chunks) -> bool:
-    """Whether a model chunk computes DualPipe's F&B pair in one call (its hook
-    ``overlapped_forward_backward``): then the program runs the pairs so."""
-    return any(callable(_overlap_hook(chunk)) for chunk in model_chunks)
+def offers_overlapped_pairs(model_chunks, config=None) -> bool:
+    """Whether DualPipe's F&B pairs are computed in one call: a model chunk's hook
+    ``overlapped_forward_backward``, or Megatron's per-layer plan (``config`` asks for
+    --overlap-moe-expert-parallel-comm: ``moe_overlap``); then the program runs the pairs so."""
+    return (moe_overlap.requested(config)
+            or any(callable(_overlap_hook(chunk)) for chunk in model_chunks))
 
 
 def _unwrapped(module):
@@ -179,15 +182,24 @@ class MegatronStageWork:
                                   len(actions))
             self.max_outstanding = max(1, sum(a.kind == FORWARD for a in actions[:first_backward]))
 
-        # DualPipeV's overlapped F&B pairs: offered to the executor only when the model has
-        # the hook ``overlapped_forward_backward(run_forward, run_backward) -> (out, grad)``,
-        # which may run the two thunks concurrently (e.g. one's compute under the other's
-        # all-to-all); without it the pair runs one action after the other.
-        if offers_overlapped_pairs(model_chunks):
+        # --overlap-moe-expert-parallel-comm: every F and B (I) through Megatron's per-layer
+        # plan, DualPipeV's F&B pairs in one combined call (moe_overlap)
+        self.combined = None
+        if moe_overlap.requested(config) and not forward_only:
+            moe_overlap.check_supported(model_chunks, config)
+            self.combined = moe_overlap.CombinedSteps(self)
+        # DualPipeV's overlapped F&B pairs: offered to the executor only when they are
+        # computed in one call: Megatron's combined step, or the model's hook
+        # ``overlapped_forward_backward(run_forward, run_backward) -> (out, grad)``, which may
+        # run the two thunks concurrently (e.g. one's compute under the other's all-to-all);
+        # without either the pair runs one action after the other.
+        if self.combined is not None or offers_overlapped_pairs(model_chunks):
             self._overlap_hooks = [_overlap_hook(chunk) for chunk in model_chunks]
             self.overlapped_forward_backward = self._overlapped
 
     def _overlapped(self, f_action: Action, f_input, b_action: Action, b_grad):
+        if self.combined is not None:
+            return self.combined.pair(f_action, f_input, b_action, b_grad)
         hook = self._overlap_hooks[self._chunk(f_action.stage)]
         if not callable(hook):
             return self.forward(f_action, f_input), self.backward(b_action, b_grad)
@@ -197,10 +209,25 @@ class MegatronStageWork:
     def _chunk(self, stage: int) -> int:
         return self.schedule.chunk_of(stage)
 
+    def chunk_of(self, action: Action) -> int:
+        """The index of the model chunk that computes ``action``."""
+        return self._chunk(action.stage)
+
+    def is_first_microbatch(self, action: Action) -> bool:
+        """Megatron's ``is_first_microbatch`` for an F (the first of a validation step)."""
+        return check_first_val_step(self.first_val_step, self.forward_only,
+                                    action.microbatch == 0)
+
+    def overlapped_pairs(self) -> int | None:
+        """F&B pairs run through Megatron's combined step this step (None: no overlap asked)."""
+        return None if self.combined is None else self.combined.pairs
+
     def begin(self, action: Action) -> None:
         self.grad_sync.before(action)
 
     def forward(self, action: Action, input_tensor):
+        if self.combined is not None:
+            return self.combined.forward(action, input_tensor)
         chunk, mb = self._chunk(action.stage), action.microbatch
         checkpoint = None
         if self.max_outstanding is not None:
@@ -218,8 +245,7 @@ class MegatronStageWork:
             cp_group_size=self.cp_size,
             collect_non_loss_data=self.collect_non_loss_data,
             checkpoint_activations_microbatch=checkpoint,
-            is_first_microbatch=check_first_val_step(self.first_val_step, self.forward_only,
-                                                     mb == 0),
+            is_first_microbatch=self.is_first_microbatch(action),
             current_microbatch=mb,
             vp_stage=chunk if len(self.chunks) > 1 else None,
             is_last_stage=action.stage == self.schedule.num_stages - 1,
@@ -230,6 +256,8 @@ class MegatronStageWork:
         return output
 
     def backward(self, action: Action, output_grad):
+        if self.combined is not None:
+            return self.combined.backward(action, output_grad)
         input_tensor, output = self.saved.pop((action.stage, action.microbatch))
         if action.kind == BACKWARD_INPUT:
             if self.weight_split is None:

@@ -639,17 +639,23 @@ class WeightGradSplit:
                        chunk: int | None = None):
         from megatron.core.pipeline_parallel.schedules import backward_step
 
+        with self.input_gradient(action, chunk=chunk):
+            return backward_step(input_tensor, output, output_grad, config)
+
+    @contextlib.contextmanager
+    def input_gradient(self, action: Action, chunk: int | None = None):
+        """Enter around whatever computes I ``action``'s backward (Megatron's backward_step,
+        or its combined F&B step): the linears' weight GEMMs queue for the W, counted."""
         # On the calling thread: the capture is thread-local, and autograd would run a CUDA
         # backward on its device threads, where no W task would be queued.
         kept = len(self._kept)
         with self.capturing(action, chunk=chunk) as queue, \
                 torch.autograd.set_multithreading_enabled(False):
             before = len(queue)
-            grad = backward_step(input_tensor, output, output_grad, config)
+            yield
         self.stats.deferred += len(queue) - before
         self.stats.by_kind.update(task.kind for task in queue[before:])
         self.stats.kept_in_i += len(self._kept) - kept
-        return grad
 
     def backward_full(self, action: Action, input_tensor, output, output_grad, config,
                       chunk: int | None = None):

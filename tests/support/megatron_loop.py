@@ -153,6 +153,14 @@ def _patch_table() -> list[tuple[Any, str, Any, str]]:
          "get_model moves each model chunk with .cuda(current_device), i.e. Tensor.cuda('cpu')"),
         (torch.cuda, "Stream", lambda *a, **k: _NullStreamCtx(),
          "get_model builds DDP on a side CUDA stream (a CPU stand-in)"),
+        (torch.cuda, "Event", _null_event,
+         "Megatron's combined 1F1B (--overlap-moe-expert-parallel-comm) orders its compute and "
+         "communication streams with CUDA events; on the CPU one thread runs both in order"),
+        (torch.cuda, "stream", lambda stream=None: _NullStreamCtx(),
+         "the combined 1F1B's nodes run under torch.cuda.stream(their stream)"),
+        (torch.Tensor, "record_stream", lambda self, stream: None,
+         "the combined 1F1B's nodes tell the CUDA caching allocator which stream used a "
+         "tensor before freeing it; the CPU has no such allocator"),
         (torch.Tensor, "type", _cuda_named_type,
          "clip_grads and the distributed optimizer assert torch.cuda.* tensor type names"),
         (dataset_utils, "compile_helpers", lambda: None,
@@ -231,6 +239,12 @@ def _with_the_loaded_step(load_state_dict):
                     state["step"] = torch.tensor(float(step), dtype=torch.float32)
 
     return patched
+
+
+def _null_event(*args, **kwargs):
+    from megatron_pp_ext.train.cpu_shims import NullEvent
+
+    return NullEvent()
 
 
 class _NullStreamCtx:
@@ -379,13 +393,17 @@ def _loss_func(loss_mask, output_tensor):
     return tiny_gpt.loss_func_per_token(loss_mask, output_tensor)
 
 
-def forward_step(data_iterator, model):
-    """One microbatch: every chunk reads it (tokens, labels, mask, position ids)."""
+def forward_step(data_iterator, model, return_schedule_plan: bool = False):
+    """One microbatch: every chunk reads it (tokens, labels, mask, position ids). With
+    ``return_schedule_plan`` (Megatron's combined 1F1B, --overlap-moe-expert-parallel-comm),
+    the model's per-layer schedule plan instead of its output, as pretrain_gpt.py does."""
     batch = next(data_iterator)
-    output = model(
-        batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"]
-    )
-    return output, functools.partial(_loss_func, batch["loss_mask"])
+    inputs = (batch["tokens"], batch["position_ids"], batch["attention_mask"])
+    loss = functools.partial(_loss_func, batch["loss_mask"])
+    if return_schedule_plan:
+        return model.build_schedule_plan(*inputs, labels=batch["labels"],
+                                         loss_mask=batch["loss_mask"]), loss
+    return model(*inputs, labels=batch["labels"]), loss
 
 
 # --------------------------------------------------------------------------------------------
@@ -401,8 +419,9 @@ def run_pretrain(rank: int, world_size: int, argv: Sequence[str],
     ('lm loss' only on the last pipeline rank; 'iteration': Megatron's count of the steps done
     before each, so a resumed run's first is the checkpoint's; 'weight_grads': the plugin's
     count of the weight GEMMs its I queued and W ran each step, ``runtime.wgrad``'s
-    ``WeightGradStats``, None without an I/W split; 'all_to_all': the ``all_to_all_single``
-    calls this rank made in each step), the forward_backward_func the loop used,
+    ``WeightGradStats``, None without an I/W split; 'overlapped_pairs': the F&B pairs it ran in
+    one combined call, None without --overlap-moe-expert-parallel-comm; 'all_to_all': the
+    ``all_to_all_single`` calls this rank made in each step), the forward_backward_func the loop used,
     and the stages this rank built ('stages': {stage: (parameters, layer numbers)}).
     ``global_init=False``: the weights as Megatron (or the V providers) initialise them, not
     filled from global names. ``kill_at_iteration=k``: the rank kills itself (SIGKILL, as
@@ -430,7 +449,8 @@ def run_pretrain(rank: int, world_size: int, argv: Sequence[str],
     args = parse_and_validate_args(extra_args_provider=add_pipeline_schedule_args)
     install_from_args(args)
     history: dict[str, Any] = {"lm loss": [], "grad_norm": [], "skipped": [], "iteration": [],
-                               "weight_grads": [], "all_to_all": [], "schedule": None,
+                               "weight_grads": [], "overlapped_pairs": [], "all_to_all": [],
+                               "schedule": None,
                                "rank": rank}
     _count_all_to_all()
     original_train_step = training.train_step  # Megatron's, or --pp-run-ahead's
@@ -453,8 +473,10 @@ def run_pretrain(rank: int, world_size: int, argv: Sequence[str],
         history["all_to_all"].append(_ALL_TO_ALL_CALLS[0] - calls_before)
         fbf = kwargs.get("forward_backward_func", args[6] if len(args) > 6 else None)
         history["schedule"] = getattr(fbf, "__qualname__", repr(fbf))
-        last_step = getattr(getattr(fbf, "state", None), "last_step", None)  # the plugin's
-        history["weight_grads"].append(getattr(last_step, "weight_grads", None))
+        state = getattr(fbf, "state", None)  # the plugin's
+        history["weight_grads"].append(getattr(getattr(state, "last_step", None),
+                                               "weight_grads", None))
+        history["overlapped_pairs"].append(getattr(state, "overlapped_pairs", None))
         if record_to is not None:
             _record(history, record_to)
         return out
