@@ -24,6 +24,7 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import socket
 import threading
@@ -31,6 +32,8 @@ import time
 
 import torch
 from ..runtime.errors import PeerFailedError, PeerReported
+
+logger = logging.getLogger("megatron_pp_ext")
 
 FINGERPRINT_FIELDS = ("schedule", "pipeline_size", "num_microbatches", "model_chunks",
                       "forward_only", "tensor_shape", "pipeline_dtype", "variable_seq_lengths")
@@ -213,20 +216,27 @@ def settled() -> None:
         _bounded(lambda: store.add(_SETTLED, 1))
 
 
-def linger_if_serving_the_store(timeout_s: float, quiet_s: float = _STORE_TIMEOUT_S) -> None:
+def linger_if_serving_the_store(timeout_s: float, failure: BaseException | None = None,
+                                quiet_s: float = _STORE_TIMEOUT_S) -> None:
     """On global rank 0, whose process serves the job's store under ``env://``, after a
     failure: wait until every rank that published a failure note has settled (explained its
     failure), and no new note came for ``quiet_s`` (a peer that failed a moment after this
     rank publishes a little later), at most a peer's explaining (one ``timeout_s`` wait on
     its own peer and four bounded store calls): this process exiting takes the store from
     peers still writing or reading notes (they would lose the reports, the suspects and the
-    hosts). A rank on a lost node publishes nothing and is not waited for."""
+    hosts). A rank on a lost node publishes nothing and is not waited for. ``failure`` (this
+    rank's, explained) is logged first: a launcher that ends the job when a peer exits (srun
+    --kill-on-bad-exit) may stop this process while it waits, before its traceback prints."""
     import torch.distributed as dist
 
     store = _store()
     if store is None or not dist.is_initialized() or dist.get_rank() != 0:
         return
     within_s = timeout_s + 4 * _STORE_TIMEOUT_S
+    if failure is not None:
+        logger.error("megatron-pp-ext: global rank 0 failed: %s: %s (it serves the job's "
+                     "rendezvous store and stays up to %.0f s for its peers to explain theirs)",
+                     type(failure).__name__, failure, within_s)
     deadline = time.monotonic() + within_s
     settled_since = None  # (counts, when): every note published so far has settled
     while time.monotonic() < deadline:

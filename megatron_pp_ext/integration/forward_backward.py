@@ -565,7 +565,7 @@ def _run_executor(state: RunState, executor: Executor, weight_split, pp_group,
     except PipelineTimeoutError as exc:
         state.failure_baseline = None  # a later step counts only failures after this one
         agreement.explain_failure(exc, pp_group, rank)  # tell the peers, hear theirs
-        agreement.linger_if_serving_the_store(executor.timeout_s)
+        agreement.linger_if_serving_the_store(executor.timeout_s, exc)
         device_helper.abort_group(pp_group)
         raise
     except Exception as exc:  # e.g. a tensor of the wrong shape refused before sending
@@ -573,7 +573,7 @@ def _run_executor(state: RunState, executor: Executor, weight_split, pp_group,
         state.failure_baseline = None
         agreement.publish_failure(pp_group, rank, agreement.failure_note(exc, rank))
         agreement.settled()
-        agreement.linger_if_serving_the_store(executor.timeout_s)
+        agreement.linger_if_serving_the_store(executor.timeout_s, exc)
         device_helper.abort_group(pp_group)  # NCCL: this rank's posted batches never finish
         raise
 
