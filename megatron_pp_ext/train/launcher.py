@@ -38,6 +38,16 @@ class Launch:
     master_addr: str | None = None
     master_port: str | None = None
 
+    def export(self) -> None:
+        """Put this rank and the rendezvous into the environment, where ``env://`` (and
+        Megatron's own initialisation) read them."""
+        os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world_size),
+                          LOCAL_RANK=str(self.local_rank))
+        if self.master_addr:
+            os.environ["MASTER_ADDR"] = self.master_addr
+        if self.master_port:
+            os.environ["MASTER_PORT"] = self.master_port
+
 
 def detect(environ: Mapping[str, str] | None = None) -> Launch:
     env = os.environ if environ is None else environ
@@ -134,12 +144,7 @@ def run_launched(settings: TrainSettings, launch: Launch, target, backend: str |
 
     from .. import device as device_helper
 
-    os.environ.update(RANK=str(launch.rank), WORLD_SIZE=str(launch.world_size),
-                      LOCAL_RANK=str(launch.local_rank))
-    if launch.master_addr:
-        os.environ["MASTER_ADDR"] = launch.master_addr
-    if launch.master_port:
-        os.environ["MASTER_PORT"] = launch.master_port
+    launch.export()
     extra = {}
     if backend is None:
         backend = device_helper.launcher_backend()

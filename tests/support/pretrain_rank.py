@@ -38,12 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     launch = detect()
     if launch.kind == "local":
         parser.error("not a rank of an srun step or a torchrun launch")
-    os.environ.update(RANK=str(launch.rank), WORLD_SIZE=str(launch.world_size),
-                      LOCAL_RANK=str(launch.local_rank))
-    if launch.master_addr:
-        os.environ["MASTER_ADDR"] = launch.master_addr
-    if launch.master_port:
-        os.environ["MASTER_PORT"] = launch.master_port
+    launch.export()
     os.makedirs(args.out, exist_ok=True)
 
     import datetime
