@@ -145,10 +145,14 @@ class CombinedSteps:
         return output, grad
 
     def _capture(self, b_action, chunk):
-        """An I's linears queue their weight GEMMs for its W; a B's compute them now."""
+        """An I's linears queue their weight GEMMs for its W; a B's compute them now (TE's,
+        deferred for a split step, right after it), as MegatronStageWork.backward does."""
         split = self.work.weight_split
-        if b_action is None or b_action.kind != BACKWARD_INPUT:
+        if b_action is None:
             return contextlib.nullcontext()
+        if b_action.kind != BACKWARD_INPUT:
+            return contextlib.nullcontext() if split is None else split.full_gradient(
+                b_action, chunk=chunk)
         if split is None:
             raise ValueError(
                 f"schedule {self.work.schedule.name!r} splits the backward into I and W, which "

@@ -664,15 +664,22 @@ class WeightGradSplit:
         theirs at once after the backward."""
         from megatron.core.pipeline_parallel.schedules import backward_step
 
-        if not any(self.te_modules):
+        with self.full_gradient(action, chunk=chunk):
             return backward_step(input_tensor, output, output_grad, config)
+
+    @contextlib.contextmanager
+    def full_gradient(self, action: Action, chunk: int | None = None):
+        """Enter around whatever computes a full B ``action`` inside a split step: TE modules'
+        weight gradients (deferred for the step) run right after it."""
+        if not any(self.te_modules):
+            yield
+            return
         with self.capturing(action, defer_linears=False, chunk=chunk) as queue, \
                 torch.autograd.set_multithreading_enabled(False):
-            grad = backward_step(input_tensor, output, output_grad, config)
+            yield
         for task in queue:
             task.run(self)
         self.stats.in_b += len(queue)
-        return grad
 
     def backward_weight(self, action: Action, chunk: int | None = None) -> None:
         tasks = self.pending.pop((action.stage, action.microbatch), [])
