@@ -381,8 +381,10 @@ def test_a_node_lost_mid_run_ends_the_job_and_every_survivor_names_it(tmp_path):
         r"megatron-pp-ext: global rank (0) failed: (?:PipelineTimeoutError|PeerLostError): "
         r"(.*) \(it serves the job's rendezvous store", text) if rank not in errors})
     assert sorted(errors) == ["0", "1"], text[-4000:]
-    assert errors["1"].startswith("pipeline rank 1 waited 8.0 s for rank 2 and gave up: "
-                                  "pending 1"), errors["1"]
+    # it gave up once its timeout had passed (by how much more depends on the machine's load)
+    waited = re.match(r"pipeline rank 1 waited (\d+\.\d) s for rank 2 and gave up: pending 1",
+                      errors["1"])
+    assert waited and float(waited.group(1)) >= LOST_P2P_TIMEOUT_S, errors["1"]
     assert errors["0"].startswith("pipeline rank 0 "), errors["0"]
     for rank, message in errors.items():
         assert "from rank" in message  # the pending action names what it waited for
