@@ -1,0 +1,232 @@
+"""Bench (h): how much of an MoE layer's all-to-all DualPipeV's F&B pairs hide, on the
+emulated device, over the plugin's real Executor and gloo (issue 26, item 4, in part).
+
+Each model chunk holds ``layers`` MoE layers. Per layer and microbatch: a forward's compute
+costs ``c`` (attention ``c/2``, experts ``c/2``), an input gradient ``c`` and a weight gradient
+``c`` (a full backward ``2c``); each of the two all-to-alls (dispatch, combine) costs
+``a = share x c`` on the device's communication stream. Run alone, an F, I or B lasts its
+compute plus ``2a`` per layer (nothing to hide behind); a W has no all-to-all. An F&B pair
+runs per layer as Megatron's plan orders it (``TransformerLayerSchedulePlan.run``), on two
+threads of the rank, one per stream, with the plan's dependencies as events:
+
+    comm stream:  combine(b)    dispatch(f)    dispatch(b)    combine(f)
+    comp stream:  attention(f)  experts(b)     experts(f)     attention(b)
+
+Three runs of one schedule per round, rotating: the all-to-alls free (``a = 0``: the floor),
+paid alone (no pairs), and paired (the executor runs the program's pairs through the work's
+``overlapped_forward_backward``). The all-to-all time a run exposes is its step minus the
+floor's; the pairs hide ``(alone - paired) / (alone - floor)`` of what running alone exposes.
+Target (issue 26): at least 80 % at p=4, m=16, a = 30 % of a layer's compute. Reported, never
+asserted.
+
+Not here yet: Megatron's own combined 1F1B and torch.pipelining's DualPipeV on the same
+device (both need the two-stream emulation inside their own code), and the CUDA-stream check
+in ``bench/gpu_check.py``.
+
+    .venv/bin/python -m bench.moe_overlap [--sizes 4x16 2x8 2x32] [--share 0.3] [--c-ms 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+ROWS, WIDTH = 4, 8
+RESULTS = ROOT / "bench" / "results"
+
+
+@dataclass(frozen=True)
+class MoECosts:
+    c: float  # a layer's forward compute, seconds
+    a: float  # one all-to-all, seconds
+    layers: int  # MoE layers per chunk
+
+    def alone(self, kind: str) -> float:
+        """An action run by itself: its compute and, but for W, its two all-to-alls per layer."""
+        compute = {"F": self.c, "I": self.c, "W": self.c, "B": 2 * self.c}[kind]
+        return self.layers * (compute + (0.0 if kind == "W" else 2 * self.a))
+
+
+def _run_pair_layer(costs: MoECosts, b_kind: str) -> None:
+    """One layer of an F&B pair on two streams (this thread: compute; a helper: the
+    all-to-alls), ordered as Megatron's TransformerLayerSchedulePlan.run orders its nodes."""
+    half_b = (2 * costs.c if b_kind == "B" else costs.c) / 2
+    combine_b, attention_f, dispatch_f, experts_b = (threading.Event() for _ in range(4))
+    dispatch_b, experts_f = threading.Event(), threading.Event()
+
+    def comm():
+        time.sleep(costs.a)  # combine(b)
+        combine_b.set()
+        attention_f.wait()
+        time.sleep(costs.a)  # dispatch(f)
+        dispatch_f.set()
+        experts_b.wait()
+        time.sleep(costs.a)  # dispatch(b)
+        dispatch_b.set()
+        experts_f.wait()
+        time.sleep(costs.a)  # combine(f)
+
+    stream = threading.Thread(target=comm)
+    stream.start()
+    time.sleep(costs.c / 2)  # attention(f)
+    attention_f.set()
+    combine_b.wait()
+    time.sleep(half_b)  # experts(b)
+    experts_b.set()
+    dispatch_f.wait()
+    time.sleep(costs.c / 2)  # experts(f)
+    experts_f.set()
+    dispatch_b.wait()
+    time.sleep(half_b)  # attention(b)
+    stream.join()
+
+
+def work_class(paired: bool):
+    from support.emulated import EmulatedCosts, EmulatedStageWork
+
+    class MoEStageWork(EmulatedStageWork):
+        """The toy stages' arithmetic; each action lasts what an MoE chunk's would."""
+
+        def __init__(self, schedule, rank, weights, inputs, costs: MoECosts):
+            super().__init__(schedule, rank, weights, inputs, costs=EmulatedCosts())
+            self.moe = costs
+            self.pairs = 0
+
+        def _timed(self, kind, method, *args):
+            start = time.perf_counter()
+            result = method(*args)
+            time.sleep(max(0.0, start + self.moe.alone(kind) - time.perf_counter()))
+            return result
+
+        def forward(self, action, input_tensor):
+            return self._timed("F", super().forward, action, input_tensor)
+
+        def backward(self, action, output_grad):
+            return self._timed(action.kind, super().backward, action, output_grad)
+
+        def weight(self, action):
+            return self._timed("W", super().weight, action)
+
+        def _pair(self, f_action, f_input, b_action, b_grad):
+            self.pairs += 1
+            out = EmulatedStageWork.forward(self, f_action, f_input)
+            grad = EmulatedStageWork.backward(self, b_action, b_grad)
+            for _ in range(self.moe.layers):
+                _run_pair_layer(self.moe, b_action.kind)
+            return out, grad
+
+    if paired:
+        MoEStageWork.overlapped_forward_backward = MoEStageWork._pair
+    return MoEStageWork
+
+
+def _step(schedule, rank, transport, costs: MoECosts, paired: bool) -> tuple[float, float, int]:
+    from megatron_pp_ext.runtime.executor import Executor
+    from support.emulated import microbatch_inputs, stage_weights
+
+    work = work_class(paired)(schedule, rank, stage_weights(schedule.num_stages, WIDTH),
+                              microbatch_inputs(schedule.num_microbatches, ROWS, WIDTH), costs)
+    start = time.perf_counter()
+    Executor(schedule, rank, transport, work, recv_shape=(ROWS, WIDTH), dtype=torch.float64,
+             device=torch.device("cpu"), timeout_s=300).run()
+    return start, time.perf_counter(), work.pairs
+
+
+def tree(rank: int, world: int, m: int, c: float, share: float, layers: int, reps: int) -> dict:
+    """Spawn target: the three runs, ``reps`` rounds in rotating order, in one process tree."""
+    import torch.distributed as dist
+
+    from megatron_pp_ext.runtime.transport import TorchDistTransport
+    from megatron_pp_ext.schedules import build_schedule
+
+    schedule = build_schedule("dualpipev", world, m, chunks=2)
+    transport = TorchDistTransport(None)
+    runs = {"floor (a = 0)": (MoECosts(c, 0.0, layers), False),
+            "all-to-alls alone": (MoECosts(c, share * c, layers), False),
+            "paired": (MoECosts(c, share * c, layers), True)}
+    labels = list(runs)
+    out = {label: [] for label in labels}
+    pairs = {}
+    for label in labels:  # one untimed warm-up each
+        dist.barrier()
+        _step(schedule, rank, transport, *runs[label])
+    for rep in range(reps):
+        for label in labels[rep % 3:] + labels[:rep % 3]:
+            dist.barrier()
+            start, end, pairs[label] = _step(schedule, rank, transport, *runs[label])
+            spans = [None] * world
+            dist.all_gather_object(spans, (start, end))
+            out[label].append(max(e for _, e in spans) - min(s for s, _ in spans))
+    counts = [None] * world
+    dist.all_gather_object(counts, pairs["paired"])
+    return {"steps": out, "pairs_per_rank": counts}
+
+
+def _size(text: str) -> tuple[int, int]:
+    p, m = text.lower().split("x")
+    return int(p), int(m)
+
+
+def main(argv=None) -> int:
+    from megatron_pp_ext.train.processes import spawn
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", type=_size, nargs="+", default=[(4, 16), (2, 8), (2, 32)],
+                        help="p x m, e.g. 4x16 (the issue's size first)")
+    parser.add_argument("--share", type=float, default=0.3, help="a / c")
+    parser.add_argument("--c-ms", type=float, default=4.0, help="a layer's forward compute")
+    parser.add_argument("--layers", type=int, default=1, help="MoE layers per chunk")
+    parser.add_argument("--reps", type=int, default=3)
+    args = parser.parse_args(argv)
+    from bench.provenance import current, finish, short
+
+    started, prov = time.perf_counter(), current(argv)
+    rows, raw = [], []
+    for p, m in args.sizes:
+        result = spawn(p, tree, m, args.c_ms / 1000, args.share, args.layers, args.reps,
+                       timeout_s=1200)[0]
+        steps = {label: statistics.median(times) for label, times in result["steps"].items()}
+        floor, alone, paired = steps.values()
+        hidden = (alone - paired) / (alone - floor) if alone > floor else float("nan")
+        cells = [f"{1e3 * steps[label]:.1f} ({1e3 * min(times):.1f}-{1e3 * max(times):.1f})"
+                 for label, times in result["steps"].items()]
+        rows.append(f"| {p} | {m} | {' | '.join(cells)} | {result['pairs_per_rank']} | "
+                    f"{hidden:.0%} |")
+        raw.append({"p": p, "m": m, **result, "hidden": hidden})
+    prov = finish(prov, started)
+    text = "\n".join([
+        "# (h) MoE all-to-all hidden by DualPipeV's F&B pairs (emulated device)",
+        "",
+        short(prov),
+        "",
+        f"dualpipev, {args.layers} MoE layer(s) per chunk, a layer's forward compute "
+        f"{args.c_ms:g} ms, each all-to-all {args.share:.0%} of it; steps in ms, median "
+        f"(min-max) of {args.reps} rounds, the three runs rotating in one process tree; "
+        "hidden: (alone - paired) / (alone - floor). Target (issue 26): at least 80 % at "
+        "p=4, m=16.",
+        "",
+        "| p | m | floor (a = 0) | all-to-alls alone | paired | F&B pairs per rank | hidden |",
+        "|---|---|---|---|---|---|---|",
+        *rows]) + "\n"
+    print(text)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "moe_overlap.md").write_text(text)
+    (RESULTS / "moe_overlap.json").write_text(json.dumps(
+        {"provenance": prov, "args": {**vars(args), "sizes": args.sizes}, "runs": raw},
+        indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
