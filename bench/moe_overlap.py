@@ -52,7 +52,7 @@ class MoECosts:
     a: float  # one all-to-all, seconds
     layers: int  # MoE layers per chunk
 
-    def alone(self, kind: str) -> float:
+    def of(self, kind: str) -> float:
         """An action run by itself: its compute and, but for W, its two all-to-alls per layer."""
         compute = {"F": self.c, "I": self.c, "W": self.c, "B": 2 * self.c}[kind]
         return self.layers * (compute + (0.0 if kind == "W" else 2 * self.a))
@@ -93,37 +93,23 @@ def _run_pair_layer(costs: MoECosts, b_kind: str) -> None:
 
 
 def work_class(paired: bool):
-    from support.emulated import EmulatedCosts, EmulatedStageWork
+    from bench.emulated_device import device_work_class
+    from support.emulated import EmulatedStageWork
 
-    class MoEStageWork(EmulatedStageWork):
-        """The toy stages' arithmetic; each action lasts what an MoE chunk's would."""
+    class MoEStageWork(device_work_class()):
+        """The toy stages' arithmetic; each action lasts what an MoE chunk's would alone
+        (``MoECosts.of``, through the emulated device's clock), a pair as Megatron's plan."""
 
         def __init__(self, schedule, rank, weights, inputs, costs: MoECosts):
-            super().__init__(schedule, rank, weights, inputs, costs=EmulatedCosts())
-            self.moe = costs
+            super().__init__(schedule, rank, weights, inputs, costs)
             self.pairs = 0
-
-        def _timed(self, kind, method, *args):
-            start = time.perf_counter()
-            result = method(*args)
-            time.sleep(max(0.0, start + self.moe.alone(kind) - time.perf_counter()))
-            return result
-
-        def forward(self, action, input_tensor):
-            return self._timed("F", super().forward, action, input_tensor)
-
-        def backward(self, action, output_grad):
-            return self._timed(action.kind, super().backward, action, output_grad)
-
-        def weight(self, action):
-            return self._timed("W", super().weight, action)
 
         def _pair(self, f_action, f_input, b_action, b_grad):
             self.pairs += 1
             out = EmulatedStageWork.forward(self, f_action, f_input)
             grad = EmulatedStageWork.backward(self, b_action, b_grad)
-            for _ in range(self.moe.layers):
-                _run_pair_layer(self.moe, b_action.kind)
+            for _ in range(self.device_costs.layers):
+                _run_pair_layer(self.device_costs, b_action.kind)
             return out, grad
 
     if paired:
