@@ -8,7 +8,6 @@ import pytest
 from megatron_pp_ext.analysis.collectives import (
     check_same_sequence,
     issued,
-    issued_by_schedule,
     moe_collectives,
     with_collectives,
 )
@@ -51,18 +50,21 @@ def test_the_lowered_program_records_each_actions_collectives():
                 assert step is plain
         sequence = issued(recorded, rank)
         assert len(sequence) == 4 * (6 + 6)
-        assert sequence == issued_by_schedule(schedule, rank, moe_collectives({0: 2, 1: 2}))
         actions = list(dict.fromkeys(action for action, _ in sequence))
         assert actions == [str(a) for a in schedule.actions[rank] if a.kind != "W"]
     assert "1F0 {6 all_to_all on the expert group}" in recorded.text(1).splitlines()
     assert issued(program, 0) == []  # the dense program issues none
 
 
+def _issued(name, p, m, layers, rank=0):
+    """What ``rank`` of schedule ``name`` issues on the expert group, from its program."""
+    per_action = moe_collectives({s: layers for s in range(p)})
+    return issued(with_collectives(lower(build_schedule(name, p, m)), per_action), rank)
+
+
 def _expert_group(schedules, p=2, m=4, layers=4):
     """{replica: what stage 0's rank of that replica issues on the expert group}."""
-    per_action = moe_collectives({s: layers for s in range(p)})
-    return {replica: issued_by_schedule(build_schedule(name, p, m), 0, per_action)
-            for replica, name in enumerate(schedules)}
+    return {replica: _issued(name, p, m, layers) for replica, name in enumerate(schedules)}
 
 
 def test_replicas_running_1f1b_and_zb_h1_issue_the_same_all_to_alls():
@@ -82,9 +84,7 @@ def test_replicas_running_1f1b_and_gpipe_are_refused_at_the_first_difference():
 
 
 def test_a_replica_with_fewer_microbatches_is_refused_where_it_stops():
-    per_action = moe_collectives({0: 1, 1: 1})
-    sequences = {0: issued_by_schedule(build_schedule("1f1b", 2, 4), 0, per_action),
-                 1: issued_by_schedule(build_schedule("1f1b", 2, 3), 0, per_action)}
+    sequences = {0: _issued("1f1b", 2, 4, 1), 1: _issued("1f1b", 2, 3, 1)}
     with pytest.raises(ValueError, match=r"at collective #16 on that group, rank 0 issues "
                        r"all_to_all on the expert group \(MoE layer 0 dispatch tokens\) in "
                        r"action 0F3 and rank 1 issues all_to_all on the expert group \(MoE "

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ..ir import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action, Schedule
+from ..ir import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action
 from ..program import Collective, Compute, Program
 
 EXPERT = "expert"
@@ -81,16 +81,8 @@ def issued(program: Program, rank: int, group: str = EXPERT) -> list[tuple[str, 
             for c in step.collectives if c.group == group]
 
 
-def issued_by_schedule(schedule: Schedule, rank: int, per_action: dict, group: str = EXPERT
-                       ) -> list[tuple[str, Collective]]:
-    """:func:`issued` read from the schedule's action list (the program computes its actions
-    in that order)."""
-    return [(str(a), c) for a in schedule.actions[rank]
-            for c in per_action.get((a.stage, a.kind), ()) if c.group == group]
-
-
-def sequence_difference(sequences: dict[int, list[tuple[str, object]]], group: str = EXPERT,
-                        who: str = "rank") -> str | None:
+def sequence_difference(sequences: dict[int, list[tuple[str, Collective]]],
+                        group: str = EXPERT) -> str | None:
     """None when every rank of one ``group`` (``sequences``: rank -> (action, collective) it
     issues there, in order) issues the same collectives in the same order; else the error
     text: the ranks, the first position where they part, what each issues there, the rule
@@ -105,9 +97,9 @@ def sequence_difference(sequences: dict[int, list[tuple[str, object]]], group: s
 
         def there(seq, rank):
             if at >= len(seq):
-                return f"{who} {rank} issues nothing more (it issues {len(seq)} in all)"
+                return f"rank {rank} issues nothing more (it issues {len(seq)} in all)"
             action, collective = seq[at]
-            return f"{who} {rank} issues {collective} in action {action}"
+            return f"rank {rank} issues {collective} in action {action}"
 
         return (
             f"the ranks of one {group} group would issue its collectives in different orders: "
@@ -120,9 +112,9 @@ def sequence_difference(sequences: dict[int, list[tuple[str, object]]], group: s
     return None
 
 
-def check_same_sequence(sequences: dict[int, list[tuple[str, object]]], group: str = EXPERT,
-                        who: str = "rank") -> None:
+def check_same_sequence(sequences: dict[int, list[tuple[str, Collective]]],
+                        group: str = EXPERT) -> None:
     """``ValueError`` with :func:`sequence_difference`'s text unless the ranks agree."""
-    difference = sequence_difference(sequences, group, who)
+    difference = sequence_difference(sequences, group)
     if difference is not None:
         raise ValueError(difference)

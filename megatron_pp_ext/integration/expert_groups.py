@@ -10,6 +10,9 @@ point-to-point byte moves. Costs one small all-gather on the expert group, once.
 
 from __future__ import annotations
 
+from megatron.core import parallel_state
+from megatron.core.transformer.moe.moe_layer import MoELayer
+
 from ..analysis.collectives import (
     EXPERT,
     issued,
@@ -24,24 +27,14 @@ from . import agreement
 
 def moe_layers_by_stage(models, schedule: Schedule, rank: int) -> dict[int, int]:
     """{stage: number of Megatron MoE layers in the chunk that holds it on this rank}."""
-    try:
-        from megatron.core.transformer.moe.moe_layer import MoELayer
-    except ImportError:  # an older Megatron-Core without MoE
-        return {}
-    stages = schedule.stages_of(rank)
-    counts = {}
-    for chunk, stage in enumerate(stages):
-        if chunk < len(models):
-            counts[stage] = sum(isinstance(m, MoELayer) for m in models[chunk].modules())
-    return counts
+    return {stage: sum(isinstance(m, MoELayer) for m in chunk.modules())
+            for stage, chunk in zip(schedule.stages_of(rank), models)}
 
 
 def expert_group(pg_collection):
     """The expert-model-parallel group when it has more than one rank, else None."""
     group = getattr(pg_collection, "ep", None)
     if group is None:
-        from megatron.core import parallel_state
-
         group = parallel_state.get_expert_model_parallel_group(check_initialized=False)
     return group if group is not None and group.size() > 1 else None
 
@@ -56,10 +49,9 @@ def check_expert_group(program: Program, schedule: Schedule, rank: int, models, 
     group = expert_group(pg_collection) if per_action else None
     if group is None:
         return
-    recorded = with_collectives(program, per_action)
-    sequence = [f"{action}: {collective}" for action, collective in issued(recorded, rank)]
+    sequence = tuple(issued(with_collectives(program, per_action), rank))
     agreement.check_agreement(
-        {"collectives": tuple(sequence)}, group, group.rank(), device, timeout_s=timeout_s,
+        {"collectives": sequence}, group, group.rank(), device, timeout_s=timeout_s,
         polled=polled, purpose="the order of their collectives", who="expert-group",
         describe=_describe)
 
@@ -67,6 +59,5 @@ def check_expert_group(program: Program, schedule: Schedule, rank: int, models, 
 def _describe(values_by_rank: list[dict], global_ranks: list[int] | None) -> str:
     """The error: the first collective where two ranks of the group part (global ranks)."""
     names = global_ranks or list(range(len(values_by_rank)))
-    sequences = {names[r]: [tuple(item.split(": ", 1)) for item in values["collectives"]]
-                 for r, values in enumerate(values_by_rank)}
+    sequences = {names[r]: values["collectives"] for r, values in enumerate(values_by_rank)}
     return sequence_difference(sequences, EXPERT) or "the expert group's fingerprints differ"

@@ -302,9 +302,10 @@ def check_pipeline_size(pp_group, p2p_communicator=None, pg_collection=None,
 
 def _first_step_checks(state: RunState, options: PipelineOptions, schedule: Schedule, pp_group,
                        rank: int, forward_only: bool, recv_shape, dtype, variable: bool,
-                       device, first_timeout_s: float) -> None:
+                       device, first_timeout_s: float) -> int:
     """Before the first step of each distinct setting: the ranks agree, rank 0 logs the plan
-    (and warns when a timeout set by hand would let NCCL's watchdog act first)."""
+    (and warns when a timeout set by hand would let NCCL's watchdog act first). Returns the
+    setting's fingerprint."""
     values = agreement.settings(
         options.schedule, schedule.num_ranks, schedule.num_microbatches, schedule.chunks,
         forward_only, recv_shape, dtype, variable, options.to_dict())
@@ -327,6 +328,7 @@ def _first_step_checks(state: RunState, options: PipelineOptions, schedule: Sche
                 ", ".join(unsafe), device_helper.group_timeout_s(pp_group))
         if rank == 0 and logger.isEnabledFor(logging.INFO):
             logger.info("%s", plan_text(schedule, recv_shape, dtype))
+    return key
 
 
 def _report_overlap(state: RunState, pairs: int | None, schedule: Schedule, rank: int) -> None:
@@ -517,9 +519,10 @@ def _checked_program(state: RunState, options: PipelineOptions, schedule: Schedu
         overlapped_pairs=offers_overlapped_pairs(models, None if forward_only else config),
         variable_shapes=variable)
     timeouts = options.timeouts(device_helper.group_timeout_s(pp_group))
-    _first_step_checks(state, options, schedule, pp_group, rank, forward_only, recv_shape,
-                       pipeline_dtype, variable, transport.device, timeouts[0])
-    expert_key = ("expert groups", id(program))
+    setting = _first_step_checks(state, options, schedule, pp_group, rank, forward_only,
+                                 recv_shape, pipeline_dtype, variable, transport.device,
+                                 timeouts[0])
+    expert_key = ("expert groups", setting)
     if expert_key not in state.agreed:
         check_expert_group(program, schedule, rank, models, config, pg_collection,
                            transport.device, timeouts[0],

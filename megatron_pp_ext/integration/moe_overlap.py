@@ -26,6 +26,10 @@ from __future__ import annotations
 import contextlib
 import threading
 
+from megatron.core.pipeline_parallel import schedules
+from megatron.core.pipeline_parallel.combined_1f1b import combined_forward_backward_step
+from megatron.core.utils import get_attr_wrapped_model
+
 from ..ir import BACKWARD_INPUT, Action
 
 _local = threading.local()  # the running combined step's (is_last_stage, cp size), per thread
@@ -42,8 +46,6 @@ def requested(config) -> bool:
 def check_supported(model_chunks, config) -> None:
     """``ValueError`` (before the step communicates) where Megatron's per-layer plan cannot
     run, with Megatron's rule."""
-    from megatron.core.utils import get_attr_wrapped_model
-
     for chunk in model_chunks:
         try:
             get_attr_wrapped_model(chunk, "build_schedule_plan")
@@ -72,8 +74,6 @@ def _last_stage_known(is_last_stage: bool, cp_size: int):
     """While entered on this thread, Megatron's ``forward_step_calc_loss`` (which the combined
     step calls without ``is_last_stage``) is told whether the forward's stage is the last."""
     global _users, _original_calc_loss
-    from megatron.core.pipeline_parallel import schedules
-
     with _lock:
         if _users == 0:
             _original_calc_loss = schedules.forward_step_calc_loss
@@ -111,8 +111,6 @@ class CombinedSteps:
         return self._run(f_action, f_input, b_action, b_grad)
 
     def _run(self, f_action, f_input, b_action, b_grad):
-        from megatron.core.pipeline_parallel.combined_1f1b import combined_forward_backward_step
-
         work = self.work
         f_chunk = b_chunk = None
         f_kwargs: dict = {}

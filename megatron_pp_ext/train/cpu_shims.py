@@ -92,10 +92,17 @@ class NullEvent:
         return None
 
 
-class _NullStream:
-    """Stands in for ``torch.cuda.Stream`` on the CPU: every wait is already satisfied."""
+class NullStream:
+    """Stands in for ``torch.cuda.Stream`` on the CPU: every wait is already satisfied; as a
+    context (``with torch.cuda.stream(s)``) it changes nothing."""
 
     device = torch.device("cpu")
+
+    def __enter__(self) -> "NullStream":
+        return self
+
+    def __exit__(self, *exc: Any) -> bool:
+        return False
 
     def wait_event(self, event: Any) -> None:
         return None
@@ -113,8 +120,8 @@ class _NullStream:
         return NullEvent() if event is None else event
 
 
-def _current_stream(device: Any = None) -> _NullStream:
-    return _NullStream()
+def _current_stream(device: Any = None) -> NullStream:
+    return NullStream()
 
 
 def _cpu_tracker_add(self, name: str, seed: int) -> None:

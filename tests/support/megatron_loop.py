@@ -136,7 +136,7 @@ def _patch_table() -> list[tuple[Any, str, Any, str]]:
     from megatron.core.transformer.moe import token_dispatcher
     from megatron.training import initialize, training
 
-    from megatron_pp_ext.train.cpu_shims import _on_cpu
+    from megatron_pp_ext.train.cpu_shims import NullEvent, NullStream, _on_cpu
 
     init = functools.partial(training.initialize_megatron, allow_no_cuda=True)
     return [
@@ -151,12 +151,12 @@ def _patch_table() -> list[tuple[Any, str, Any, str]]:
          "counters with torch.tensor(..., device='cuda')"),
         (torch.Tensor, "cuda", _cpu_tensor_cuda,
          "get_model moves each model chunk with .cuda(current_device), i.e. Tensor.cuda('cpu')"),
-        (torch.cuda, "Stream", lambda *a, **k: _NullStreamCtx(),
+        (torch.cuda, "Stream", lambda *a, **k: NullStream(),
          "get_model builds DDP on a side CUDA stream (a CPU stand-in)"),
-        (torch.cuda, "Event", _null_event,
+        (torch.cuda, "Event", lambda *a, **k: NullEvent(),
          "Megatron's combined 1F1B (--overlap-moe-expert-parallel-comm) orders its compute and "
          "communication streams with CUDA events; on the CPU one thread runs both in order"),
-        (torch.cuda, "stream", lambda stream=None: _NullStreamCtx(),
+        (torch.cuda, "stream", lambda stream=None: NullStream(),
          "the combined 1F1B's nodes run under torch.cuda.stream(their stream)"),
         (torch.Tensor, "record_stream", lambda self, stream: None,
          "the combined 1F1B's nodes tell the CUDA caching allocator which stream used a "
@@ -239,38 +239,6 @@ def _with_the_loaded_step(load_state_dict):
                     state["step"] = torch.tensor(float(step), dtype=torch.float32)
 
     return patched
-
-
-def _null_event(*args, **kwargs):
-    from megatron_pp_ext.train.cpu_shims import NullEvent
-
-    return NullEvent()
-
-
-class _NullStreamCtx:
-    """A CUDA stream stand-in for torch.cuda.Stream() and torch.cuda.stream(s)."""
-
-    device = torch.device("cpu")
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-    def wait_stream(self, stream):
-        return None
-
-    def wait_event(self, event):
-        return None
-
-    def synchronize(self):
-        return None
-
-    def record_event(self, event=None):
-        from megatron_pp_ext.train.cpu_shims import NullEvent
-
-        return NullEvent() if event is None else event
 
 
 class _TorchWithOneDevice:
