@@ -105,30 +105,17 @@ def test_ranks_receive_in_the_senders_order():
     assert_equals_pp1(run_inmemory(schedule), schedule)
 
 
-class OverlappingWork:
-    """Mixin: a model that offers DualPipe's overlapped forward-backward in one call."""
-
-    def overlapped_forward_backward(self, f_action, f_input, b_action, b_grad):
-        self.pairs.append(f"{f_action}+{b_action}")
-        return self.forward(f_action, f_input), self.backward(b_action, b_grad)
-
-
-def test_dualpipev_pairs_run_in_one_call_when_the_model_offers_it(monkeypatch):
-    from support import inmemory as inmemory_helpers
-
-    class Work(OverlappingWork, inmemory_helpers.RecordingWork):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            self.pairs = []
-
-    monkeypatch.setattr(inmemory_helpers, "RecordingWork", Work)
+def test_dualpipev_pairs_run_in_one_call_when_the_model_offers_it():
     schedule = build_schedule("dualpipev", 4, 8)
-    results = run_inmemory(schedule)
+    results = run_inmemory(schedule, pairs=True)
     pairs = [work.pairs for _, work in results]
-    # a pair runs in one call when the backward's input is already there: always on rank 0
-    # (the last stage's loss) and rank p-1 (its stage p hands the gradient over locally)
-    assert pairs[0] == ["0F4+7I0", "0F5+7I1", "0F6+7I2", "0F7+7B3"]
-    assert pairs[3] == ["4F4+3B0", "4F5+3B1", "4F6+3B2", "4F7+3B3"]
+    # DualPipe's posting: every F followed by a B or I of the other chunk is a pair, on every
+    # rank (the middle ranks' B's gradients are received before the pair, in an earlier round)
+    assert pairs[0] == ["0F4+7I0", "0F5+7I1", "0F6+7I2", "0F7+7B3",
+                        "7F4+0B0", "7F5+0B1", "7F6+0B2", "7F7+0B3"]
+    assert pairs[1] == ["1F4+6I0", "1F5+6I1", "1F6+6B2", "6F4+1B0",
+                        "1F7+6B3", "6F5+1B1", "6F6+1B2", "6F7+1B3"]
+    assert [len(p) for p in pairs] == [8, 8, 8, 8]
     for rank, (_, work) in enumerate(results):
         assert work.computed == [str(a) for a in schedule.actions[rank]]  # same order
         for pair in work.pairs:  # each pair is an F and the backward right after it

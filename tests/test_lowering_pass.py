@@ -80,21 +80,44 @@ def test_the_executor_runs_every_other_posting_as_lowered(name):
                                     overlapped_pairs=True)
 
 
+def _pairs(program):
+    return [[f"{a.action}+{b.action}" for a, b in zip(steps, steps[1:])
+             if isinstance(a, Compute) and a.paired] for steps in program.steps]
+
+
 def test_dualpipev_pairs_are_in_the_program():
-    """An F and the backward right after it run as one pair where the backward's input is
-    held: on rank 0 the last stage's I/B (its loss is here); the F's send then follows the
-    pair. Without pairs the same program has none."""
+    """With Megatron's fused calls an F and the backward right after it run as one pair only
+    where the backward's input is held: on rank 0 the last stage's I/B (its loss is here), on
+    rank 3 the gradient its stage 4 hands over; none on the middle ranks, whose gradient comes
+    fused after the F. DualPipe's posting (lockstep rounds, a pair in one round) pairs every
+    F followed by a B or I of the other chunk, on every rank, and is what the drop-in runs
+    (``nccl_choice``). Without pairs the same program has none."""
     schedule = build_schedule("dualpipev", 4, 8)
     paired = lower(schedule, overlapped_pairs=True)
-    pairs = [[f"{a.action}+{b.action}" for a, b in zip(steps, steps[1:])
-              if isinstance(a, Compute) and a.paired] for steps in paired.steps]
+    pairs = _pairs(paired)
     assert pairs[0] == ["0F4+7I0", "0F5+7I1", "0F6+7I2", "0F7+7B3"]
     assert pairs[3] == ["4F4+3B0", "4F5+3B1", "4F6+3B2", "4F7+3B3"]
+    assert pairs[1] == pairs[2] == []
+    rounds = lower(schedule, LOCKSTEP, overlapped_pairs=True)
+    assert [len(p) for p in _pairs(rounds)] == [8, 8, 8, 8]
+    assert _pairs(rounds)[2] == ["2F4+5I0", "2F5+5B1", "5F4+2B0", "2F6+5B2",
+                                 "5F5+2B1", "2F7+5B3", "5F6+2B2", "5F7+2B3"]
+    # the pair's round is one batch: both sends, then the round's receives
+    steps = rounds.steps[1]
+    k = next(k for k, s in enumerate(steps) if isinstance(s, Compute) and s.action == "6F5")
+    assert steps[k + 1] == Compute("1B1") and isinstance(steps[k + 2], Post)
+    assert [(op.kind, op.label, op.peer) for op in steps[k + 2].batch.ops] == [
+        ("send", "forward 7F5", 0), ("send", "backward 0B1", 0), ("recv", "backward 6B4", 0)]
+    assert nccl_choice(schedule, overlapped_pairs=True).program.steps == rounds.steps
+    assert not any(isinstance(s, Compute) and s.paired for steps in lower(schedule,
+                   LOCKSTEP).steps for s in steps)
     assert not any(isinstance(s, Compute) and s.paired for steps in lower(schedule).steps
                    for s in steps)
     # the pairs move posts, never compute order
-    assert [[s.action for s in steps if isinstance(s, Compute)] for steps in paired.steps] == [
-        [str(a) for a in actions] for actions in schedule.actions]
+    for program in (paired, rounds):
+        assert [[s.action for s in steps if isinstance(s, Compute)]
+                for steps in program.steps] == [[str(a) for a in actions]
+                                                for actions in schedule.actions]
 
 
 def test_a_schedule_files_own_program_runs_as_written():

@@ -147,7 +147,7 @@ def _same_run(out, ref):
 
 
 def test_dualpipev_pairs_run_through_megatrons_plan_bit_identical():
-    """dualpipev with the flag: every F&B pair of the schedule (2 per step on each rank at
+    """dualpipev with the flag: every F&B pair of the schedule (4 per step on each rank at
     p=2, m=4) is one call of Megatron's combined_forward_backward_step, the other F's and B's
     go through it alone; losses, grad norms and the W's weight GEMMs are those without it."""
     plain, overlapped = _pretrain("dualpipev", 2), _pretrain("dualpipev", 2, overlap=True)
@@ -157,7 +157,7 @@ def test_dualpipev_pairs_run_through_megatrons_plan_bit_identical():
     for with_flag, without in zip(overlapped, plain):
         pp_rank = with_flag["rank"] // 2
         pairs = sum(isinstance(step, Compute) and step.paired for step in program.steps[pp_rank])
-        assert with_flag["overlapped_pairs"] == [pairs] * ITERS == [2] * ITERS
+        assert with_flag["overlapped_pairs"] == [pairs] * ITERS == [4] * ITERS
         assert without["overlapped_pairs"] == [None] * ITERS
         assert [w["deferred"] for w in with_flag["weight_grads"]] == \
             [w["deferred"] for w in without["weight_grads"]]

@@ -29,10 +29,11 @@ from megatron_pp_ext.analysis.lowering import (
     LOCKSTEP,
     MEGATRON,
     lower,
+    nccl_choice,
     nccl_posting,
     nccl_program,
 )
-from megatron_pp_ext.analysis.messages import lockstep_rounds
+from megatron_pp_ext.analysis.messages import comm_plan, lockstep_rounds
 from megatron_pp_ext.schedules import build_schedule
 from support.emulated import microbatch_inputs, stage_weights
 from support.inmemory import ROWS, WIDTH, RecordingWork, assert_equals_pp1, run_inmemory
@@ -180,14 +181,15 @@ def test_lockstep_rounds_are_a_unit_cost_run():
 
 
 # ------------------------------------------------------------------ running on NCCL's rules
-def _run_as_lowered(schedule, where: str, delays=None):
+def _run_as_lowered(schedule, where: str, delays=None, pairs=False, variable_shapes=False):
     """One step over the NCCL-rules fabric: executed actions = the lists, every rank's posted
-    batches = the lowered program's (``nccl_program``: the posting the executor picks),
-    gradients = pp=1."""
+    batches = the lowered program's (``nccl_program``: the posting the executor picks; with
+    ``pairs`` for stages that compute DualPipe's F&B pairs in one call), gradients = pp=1."""
     fabric = NcclRulesFabric(schedule.num_ranks)
-    program = nccl_program(schedule)
+    program = nccl_choice(schedule, variable_shapes, overlapped_pairs=pairs).program
     results = run_inmemory(schedule, delays=delays, nccl_rules=True, timeout_s=20, fabric=fabric,
-                           program=program)
+                           program=program if not variable_shapes else None, pairs=pairs,
+                           variable_shapes=variable_shapes)
     for rank, (result, work) in enumerate(results):
         assert [str(a) for a in result.executed] == [str(a) for a in schedule.actions[rank]]
         assert work.computed == [str(a) for a in schedule.actions[rank]]
@@ -236,6 +238,38 @@ def test_the_schedules_built_for_costs_and_memory_run_on_the_nccl_rules_fabric(n
             synthesized += source.startswith(("list scheduler", "V block"))
     if name == "zb-auto":  # its own orders, not only the fixed builders'
         assert synthesized == {1: 17, 2: 12}[chunks], synthesized
+
+
+def test_dualpipev_pairs_run_on_the_nccl_rules_fabric():
+    """DualPipe's posting (stages that compute an F&B pair in one call): lockstep rounds in
+    which a pair takes one round, its two sends in one batch with the round's receives. p 1..6
+    x m in (1, 2, 3, 4, 5, 8, 12, 16), and variable shapes at four sizes: every rank pairs
+    every F followed by a B or I of its other chunk (24 at p=4, m=16), runs the lists, posts
+    the checked program and equals pp=1."""
+    for p in range(1, 7):
+        for m in (1, 2, 3, 4, 5, 8, 12, 16):
+            schedule = build_schedule("dualpipev", p, m, 2)
+            results = _run_as_lowered(schedule, f"dualpipev pairs p={p} m={m}", pairs=True)
+            for rank, (_, work) in enumerate(results):
+                row = schedule.actions[rank]
+                candidates = sum(a.kind == "F" and b.kind in ("B", "I") and a.stage != b.stage
+                                 for a, b in zip(row, row[1:]))
+                assert len(work.pairs) == candidates, (p, m, rank, work.pairs)
+                if (p, m) == (4, 16):
+                    assert candidates == 24
+            # a pair whose two actions both send (to another rank) sends both in one batch
+            program = nccl_choice(schedule, overlapped_pairs=True).program
+            for rank, (_, work) in enumerate(results):
+                plans = {str(a): plan for a, plan in zip(schedule.actions[rank],
+                                                         comm_plan(schedule, rank))}
+                sending = sum(all(plans[a].send for a in pair.split("+")) for pair in work.pairs)
+                assert sending == sum(sum(op.kind == SEND for op in b.ops) == 2
+                                      for b in program.batches(rank)), (p, m, rank)
+                if (p, m) == (4, 16) and rank in (1, 2):
+                    assert sending == 24
+    for p, m in ((2, 4), (2, 8), (3, 5), (4, 8)):
+        _run_as_lowered(build_schedule("dualpipev", p, m, 2), f"dualpipev pairs shapes p={p} "
+                        f"m={m}", pairs=True, variable_shapes=True)
 
 
 def test_zb_v_with_the_longest_warmup_runs_on_the_nccl_rules_fabric():

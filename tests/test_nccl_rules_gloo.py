@@ -364,19 +364,32 @@ def test_harness_names_the_hang_of_fused_calls_on_a_v_schedule():
                      message), message[-2000:]
 
 
-def test_variable_shapes_take_one_receive_per_peer_in_a_call(mocked_nccl):
+def test_a_pairs_two_sends_and_its_receives_share_one_batch_and_its_work(mocked_nccl):
+    """DualPipe's commit: both sends of an F&B pair and the round's receives in one
+    ``batch_isend_irecv``; with variable shapes, the headers of all four in one batch first."""
     transport = TorchDistTransport(None)
-    request = RecvRequest(1, None, torch.float32, torch.device("cpu"))
-    with pytest.raises(ValueError, match="one receive per peer"):
-        transport.exchange_many(None, [request, request], variable_shapes=True)
-    assert mocked_nccl == []  # nothing was posted
+    requests = [RecvRequest(1, None, torch.float32, torch.device("cpu")) for _ in range(2)]
+    sends, recvs = transport.exchange_many([(torch.ones(4, 3), 1), (torch.ones(4, 3), 1)],
+                                           requests, variable_shapes=True)
+    header, work = [w for kind, w in mocked_nccl if kind == "batch"]
+    assert header.waited and not work.waited  # the shapes are in before the payload's batch
+    assert [op.op for op in header.ops] == [dist.isend, dist.isend, dist.irecv, dist.irecv]
+    assert [op.op for op in work.ops] == [dist.isend, dist.isend, dist.irecv, dist.irecv]
+    assert [tuple(op.tensor.shape) for op in work.ops[2:]] == [(4, 3), (4, 3)]
+    for send in sends:
+        with pytest.raises(TransportTimeout):  # each send waits on the batch's one Work
+            send.wait(0.02, transport.poll)
+    work.complete = True
+    assert all(torch.equal(r.wait(1.0), torch.full((4, 3), 5.0)) for r in recvs)
+    for send in sends:
+        send.wait(1.0, transport.poll)
 
 
 def test_one_send_and_several_receives_share_one_batch_and_its_work(mocked_nccl):
     transport = TorchDistTransport(None)
     requests = [RecvRequest(peer, (4, 3), torch.float32, torch.device("cpu")) for peer in (0, 1)]
-    send, recvs = transport.exchange_many((torch.ones(4, 3), 1), requests,
-                                          variable_shapes=False)
+    (send,), recvs = transport.exchange_many([(torch.ones(4, 3), 1)], requests,
+                                             variable_shapes=False)
     ((_, work),) = mocked_nccl
     assert [op.op for op in work.ops] == [dist.isend, dist.irecv, dist.irecv]
     for recv in recvs:

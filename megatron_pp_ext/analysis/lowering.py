@@ -36,11 +36,12 @@ def lower(schedule: Schedule, posting: str = MEGATRON,
     on NCCL. ``postings``: each rank's lockstep-seam posting given explicitly (a user's
     program, ``user_program.postings``). ``prefetch`` and ``overlapped_pairs``:
     ``program_pass``'s rules of those names (the pairs only where the schedule has them:
-    DualPipeV). ``plans``: every rank's ``messages.comm_plan``, when the caller has them."""
+    DualPipeV; lockstep rounds then pair them). ``plans``: every rank's
+    ``messages.comm_plan``, when the caller has them."""
     name = _name(schedule, posting, variable_shapes)
-    if postings is None and posting == LOCKSTEP:
-        postings = lockstep_postings(schedule, plans=plans)
     pairs = overlapped_pairs and bool(schedule.options.get("overlapped_pairs"))
+    if postings is None and posting == LOCKSTEP:
+        postings = lockstep_postings(schedule, plans=plans, pairs=pairs)
     return lower_program(schedule, name, postings, post_ahead, variable_shapes, prefetch, pairs,
                          plans)
 
@@ -92,19 +93,25 @@ def nccl_choice(schedule: Schedule, variable_shapes: bool = False,
 
 def _derived_choice(schedule: Schedule, variable_shapes: bool, pairs: bool) -> NcclChoice:
     plans = [comm_plan(schedule, rank) for rank in range(schedule.num_ranks)]
+    if pairs:  # DualPipe's posting: every pair a round of its own, both sends in one batch
+        postings = lockstep_postings(schedule, plans=plans, pairs=True)
+        program = lower(schedule, LOCKSTEP, variable_shapes, postings=postings,
+                        overlapped_pairs=True, plans=plans)
+        check_nccl_rules(program)
+        return NcclChoice(LOCKSTEP, postings, False, True, program)
     try:  # lowered as the check plays it: where the fused calls hang, they do so early
         program, feeds = lower_program_lazily(schedule, _name(schedule, MEGATRON,
                                                               variable_shapes),
-                                              None, False, variable_shapes, False, pairs, plans)
+                                              None, False, variable_shapes, False, False, plans)
         check_nccl_rules(program, feeds)
     except ScheduleError:
         postings = lockstep_postings(schedule, plans=plans)
         program = lower(schedule, variable_shapes=variable_shapes, postings=postings,
-                        overlapped_pairs=pairs, plans=plans)
+                        plans=plans)
         check_nccl_rules(program)
-        return NcclChoice(LOCKSTEP, postings, False, pairs, program)
-    ahead = _ahead_program(schedule, variable_shapes, program, pairs, plans)
-    return NcclChoice(MEGATRON, None, ahead is not None, pairs, ahead or program)
+        return NcclChoice(LOCKSTEP, postings, False, False, program)
+    ahead = _ahead_program(schedule, variable_shapes, program, plans)
+    return NcclChoice(MEGATRON, None, ahead is not None, False, ahead or program)
 
 
 def nccl_posting(schedule: Schedule, variable_shapes: bool = False) -> dict[int, object] | None:
@@ -156,11 +163,10 @@ def nccl_post_ahead(schedule: Schedule, variable_shapes: bool = False) -> bool:
 
 
 def _ahead_program(schedule: Schedule, variable_shapes: bool, program: Program,
-                   pairs: bool, plans: list) -> Program | None:
+                   plans: list) -> Program | None:
     """Megatron's fused ``program`` with receives posted ahead where ``nccl_post_ahead``
     allows it, else None."""
-    ahead = lower(schedule, MEGATRON, variable_shapes, post_ahead=True, overlapped_pairs=pairs,
-                  plans=plans)
+    ahead = lower(schedule, MEGATRON, variable_shapes, post_ahead=True, plans=plans)
     if ahead.steps == program.steps:  # every receive is fused already (1F1B): nothing to gain
         return None
     try:
@@ -186,9 +192,12 @@ def runtime_program(schedule: Schedule, *, batched: bool, prefetch: bool = False
     """The program the executor interprets. ``batched`` (NCCL): ``nccl_choice``'s program
     (``choice``, when the caller has it), lowered without the shape headers, which the
     transport exchanges inside each call; else Megatron's fused calls, receives posted a call
-    early with ``prefetch``, the F&B pairs with ``overlapped_pairs``."""
+    early with ``prefetch``; with ``overlapped_pairs`` where the schedule has F&B pairs, as
+    on NCCL, DualPipe's posting (lockstep rounds, a pair in one), so every rank pairs."""
     if not batched:
-        return lower(schedule, MEGATRON, prefetch=prefetch, overlapped_pairs=overlapped_pairs)
+        if overlapped_pairs and schedule.options.get("overlapped_pairs"):
+            return lower(schedule, LOCKSTEP, overlapped_pairs=True)
+        return lower(schedule, MEGATRON, prefetch=prefetch)
     choice = choice or nccl_choice(schedule, variable_shapes, overlapped_pairs)
     if not variable_shapes:
         return choice.program

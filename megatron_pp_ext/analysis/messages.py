@@ -14,7 +14,7 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass
 
-from ..ir import BACKWARD_WEIGHT, FORWARD, Action, Schedule
+from ..ir import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action, Schedule
 from ..schedules.validate import execute_in_order
 
 ACTIVATION, GRADIENT = "forward", "backward"  # what a message carries, in Megatron's words
@@ -74,13 +74,17 @@ def message_of(op) -> Message:
                    parsed.microbatch)
 
 
-def call_name(send: Message | None, *recvs: Message) -> str:
-    """Megatron's name for a send and/or receive issued together (one batch)."""
-    parts = []
-    if send is not None:
-        parts.append(f"send_{send.carries}")
-    parts.extend(f"recv_{recv.carries}" for recv in recvs)
-    return "_".join(parts)
+def call_name(sends: list[Message], recvs: list[Message]) -> str:
+    """Megatron's name for sends and/or receives issued together (one batch)."""
+    return "_".join([*(f"send_{m.carries}" for m in sends),
+                     *(f"recv_{m.carries}" for m in recvs)])
+
+
+def may_pair(first: Action, second: Action) -> bool:
+    """Whether two actions in a row can run as DualPipe's overlapped F&B pair (one call): an
+    F, then a B or I of another stage (another model chunk)."""
+    return first.kind == FORWARD and second.kind in (BACKWARD, BACKWARD_INPUT) \
+        and first.stage != second.stage
 
 
 def incoming_messages(schedule: Schedule, rank: int) -> dict[int, list[Message]]:
@@ -146,27 +150,44 @@ class Inbox:
 class LockstepPosting:
     """When one rank posts which receives in a lockstep program (see ``lockstep_posting``):
     ``after[i]``: the receives posted in one batch with action i's send; ``before[i]``:
-    receive-only batches posted before action i, one per round the rank sits idle."""
+    receive-only batches posted before action i, one per round the rank sits idle;
+    ``pairs``: the i whose action runs with action i + 1 as one F&B pair in one round (both
+    sends then go in one batch, with ``after[i + 1]``)."""
 
     after: dict[int, list[Message]]
     before: dict[int, list[list[Message]]]
+    pairs: frozenset[int] = frozenset()
 
 
-def lockstep_rounds(schedule: Schedule) -> list[list[int]]:
+def lockstep_rounds(schedule: Schedule, pairs: bool = False) -> list[list[int]]:
     """Per rank, the round of each action: its start when every action takes one round and
     a message arrives for the next round (a unit-cost run). A rank's rounds increase along
-    its list, and a message's consumer runs in a later round than its producer."""
+    its list, and a message's consumer runs in a later round than its producer. ``pairs``:
+    an F and the B or I after it (``may_pair``) share a round where the B's input was
+    produced before the F's round (DualPipe's overlapped pair: both inputs are received
+    before it computes); ``paired_in`` tells which did."""
     free = [0] * schedule.num_ranks
     rounds: list[list[int]] = [[] for _ in range(schedule.num_ranks)]
+    actions, paired = schedule.actions, [set() for _ in range(schedule.num_ranks)]
 
     def run(rank, action, dependency, ready_at):
+        mine, i = rounds[rank], len(rounds[rank])
         start = max(free[rank], ready_at or 0)
-        rounds[rank].append(start)
+        if pairs and i and (i - 2) not in paired[rank] and (ready_at or 0) <= mine[i - 1] \
+                and may_pair(actions[rank][i - 1], action):
+            start = mine[i - 1]
+            paired[rank].add(i - 1)
+        mine.append(start)
         free[rank] = start + 1
         return start + 1
 
     execute_in_order(schedule, run)
     return rounds
+
+
+def paired_in(rounds: list[int]) -> frozenset[int]:
+    """The i whose action shares its round with action i + 1 (``lockstep_rounds``' pairs)."""
+    return frozenset(i for i in range(len(rounds) - 1) if rounds[i] == rounds[i + 1])
 
 
 def lockstep_posting(schedule: Schedule, rank: int,
@@ -175,15 +196,18 @@ def lockstep_posting(schedule: Schedule, rank: int,
     and every rank posts its batches in round order: round t's batches only hold ops whose
     partners sit in the partners' round-t batches, so under NCCL's rules (rendezvous, one
     stream of batches per rank) round t completes once every rank has reached it, and no
-    rank needs anything of round t or later to get there. Deadlock-free by induction."""
+    rank needs anything of round t or later to get there. Deadlock-free by induction. An F&B
+    pair's round is one batch too: both sends and the round's receives, after the pair (its
+    two inputs come from earlier rounds)."""
     return lockstep_postings(schedule, rounds)[rank]
 
 
 def lockstep_postings(schedule: Schedule, rounds: list[list[int]] | None = None,
-                      plans: list[list[CommPlan]] | None = None) -> list[LockstepPosting]:
+                      plans: list[list[CommPlan]] | None = None,
+                      pairs: bool = False) -> list[LockstepPosting]:
     """``lockstep_posting`` of every rank, from one pass over the plans (``plans``: every
-    rank's ``comm_plan``, when the caller has them)."""
-    rounds = rounds or lockstep_rounds(schedule)
+    rank's ``comm_plan``, when the caller has them; ``pairs``: ``lockstep_rounds``')."""
+    rounds = rounds or lockstep_rounds(schedule, pairs)
     return [_posting(rounds[rank], per_peer)
             for rank, per_peer in enumerate(sent_to_each_rank(schedule, rounds, plans))]
 
@@ -193,12 +217,12 @@ def _posting(mine: list[int], per_peer: dict[int, list]) -> LockstepPosting:
     for items in per_peer.values():
         for produced_in, message in items:
             by_round[produced_in].append(message)
-    after, before = {}, {}
+    after, before, pairs = {}, {}, paired_in(mine)
     for i, t in enumerate(mine):
         earlier = mine[i - 1] if i else -1
         idle = [by_round[r] for r in range(earlier + 1, t) if by_round.get(r)]
         if idle:
             before[i] = idle
-        if by_round.get(t):
+        if by_round.get(t) and i not in pairs:  # a pair's round: after its second action
             after[i] = by_round[t]
-    return LockstepPosting(after, before)
+    return LockstepPosting(after, before, pairs)

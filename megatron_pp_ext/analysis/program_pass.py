@@ -15,8 +15,11 @@ order that peer sends them) and these posting rules:
   receive, when it will not go fused with this action's send, is posted before this action
   computes;
 - ``overlapped_pairs`` (DualPipeV with a model that computes an F&B pair in one call): an F
-  and the B or I right after it, on another stage, run as one pair when the B's input is
-  already held (received earlier or handed over on this rank); both sends follow the pair;
+  and the B or I right after it, on another stage, run as one pair, both inputs received
+  first: with a lockstep posting, where the rounds pair them (``LockstepPosting.pairs``: both
+  sends then go in one batch with the round's receives, DualPipe's commit); with Megatron's
+  fused calls, where the B's input is already held (received earlier or handed over on this
+  rank), each send then posted as after a lone action;
 - the action computes;
 - its send goes in one batch with the next action's receive when they go opposite ways
   (Megatron's ``send_forward_recv_backward`` / ``send_backward_recv_forward``), or, with a
@@ -35,10 +38,10 @@ the executor interprets is lowered without them).
 
 from __future__ import annotations
 
-from ..ir import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Schedule
+from ..ir import BACKWARD_WEIGHT, FORWARD, Schedule
 from ..program import RECV, SEND, Batch, Compute, P2POp, Post, Program, Wait
 from .messages import (ACTIVATION, GRADIENT, CommPlan, Inbox, LockstepPosting, Message,
-                       call_name, comm_plan, sent_to_each_rank)
+                       call_name, comm_plan, may_pair, sent_to_each_rank)
 
 
 def op_label(message: Message) -> str:
@@ -93,8 +96,8 @@ class _RankPass:
         self.pairs = overlapped_pairs
         self.variable_shapes = variable_shapes
         self.inbox = Inbox(incoming)  # a receive in flight is (its batch, its op)
-        self.unsent: dict[int, Message] = {}  # batch of an unwaited send -> its message
-        self.unsent_activation: dict[tuple[int, int], int] = {}  # (stage, mb) -> batch
+        self.unsent: dict[tuple[int, int], Message] = {}  # (batch, op) of an unwaited send
+        self.unsent_activation: dict[tuple[int, int], tuple] = {}  # (stage, mb) -> (batch, op)
         self.local: set[tuple] = set()  # tensors handed over between this rank's stages
         self.steps: list = []
         self.starts: list[int] = []
@@ -107,44 +110,44 @@ class _RankPass:
         self.steps.append(Post(Batch(self.rank, index, ops, call)))
         return index
 
-    def _ops(self, send: Message | None, recvs: list[Message], header: bool) -> list[P2POp]:
-        ops = [self.op_of(m, RECV, header) for m in recvs]
-        return ops if send is None else [self.op_of(send, SEND, header), *ops]
+    def _ops(self, sends: list[Message], recvs: list[Message], header: bool) -> list[P2POp]:
+        return [*(self.op_of(m, SEND, header) for m in sends),
+                *(self.op_of(m, RECV, header) for m in recvs)]
 
-    def _post(self, send: Message | None, recvs: list[Message]) -> None:
-        if send is None and not recvs:
+    def _post(self, sends: list[Message], recvs: list[Message]) -> None:
+        """One batch: ``sends`` first, then ``recvs``."""
+        if not sends and not recvs:
             return
-        kinds = (send.carries if send is not None else None, *[m.carries for m in recvs])
+        kinds = (*[m.carries for m in sends], None, *[m.carries for m in recvs])
         name = self.calls.get(kinds)
         if name is None:
-            name = self.calls[kinds] = call_name(send, *recvs)
+            name = self.calls[kinds] = call_name(sends, recvs)
         if self.variable_shapes:
-            header = self._batch(self._ops(send, recvs, True), f"{name} (shapes)")
+            header = self._batch(self._ops(sends, recvs, True), f"{name} (shapes)")
             self.steps.append(Wait(header, "the shape headers"))
-        index = self._batch(self._ops(send, recvs, False), name)
-        first_recv = 1 if send is not None else 0
+        index = self._batch(self._ops(sends, recvs, False), name)
         for k, message in enumerate(recvs):
-            self.inbox.posted(message, (index, first_recv + k))
-        if send is not None:
-            self.unsent[index] = send
+            self.inbox.posted(message, (index, len(sends) + k))
+        for k, send in enumerate(sends):
+            self.unsent[(index, k)] = send
             if send.carries == ACTIVATION:
-                self.unsent_activation[(send.stage, send.microbatch)] = index
+                self.unsent_activation[(send.stage, send.microbatch)] = (index, k)
 
     def _take(self, needed: Message) -> None:
         inbox = self.inbox
         while needed not in inbox.stash:
             if not inbox.in_flight[needed.peer]:
-                self._post(None, [inbox.next_from(needed.peer)])
+                self._post([], [inbox.next_from(needed.peer)])
             message, (index, op) = inbox.oldest_in_flight(needed.peer)
             self.steps.append(Wait(index, op=op))
             inbox.stash.add(message)
         inbox.stash.remove(needed)
 
-    def _finish_send(self, index: int) -> None:
-        message = self.unsent.pop(index)
+    def _finish_send(self, key: tuple[int, int]) -> None:
+        message = self.unsent.pop(key)
         if message.carries == ACTIVATION:
             self.unsent_activation.pop((message.stage, message.microbatch), None)
-        self.steps.append(Wait(index, op=0))
+        self.steps.append(Wait(key[0], op=key[1]))
 
     # ---------------------------------------------------------------- one action's steps
     def _input(self, i: int) -> None:
@@ -156,44 +159,61 @@ class _RankPass:
         else:
             self.local.discard(_local_key(action))
         if action.kind != FORWARD:
-            index = self.unsent_activation.get((action.stage + 1, action.microbatch))
-            if index is not None:
-                self._finish_send(index)
+            key = self.unsent_activation.get((action.stage + 1, action.microbatch))
+            if key is not None:
+                self._finish_send(key)
 
-    def _output(self, i: int) -> None:
-        """Action i's output: handed over on this rank, or sent (fused, in its round)."""
-        action, plan = self.actions[i], self.plans[i]
-        if plan.send is None:
+    def _hand_over(self, i: int) -> None:
+        """Action i's output, where its consumer is on this rank: held for it."""
+        action = self.actions[i]
+        if self.plans[i].send is None:
             if action.kind == FORWARD and action.stage < self.last:
                 self.local.add((ACTIVATION, action.stage + 1, action.microbatch))
             elif action.kind != FORWARD and action.stage > 0 \
                     and action.kind != BACKWARD_WEIGHT:
                 self.local.add((GRADIENT, action.stage - 1, action.microbatch))
+
+    def _output(self, i: int) -> None:
+        """Action i's output: handed over on this rank, or sent (fused, in its round)."""
+        plan = self.plans[i]
+        self._hand_over(i)
+        sends = [plan.send] if plan.send is not None else []
         if self.lockstep is not None:
-            self._post(plan.send, list(self.lockstep.after.get(i, [])))
+            self._post(sends, list(self.lockstep.after.get(i, [])))
             return
         next_recv = self.plans[i + 1].recv if i + 1 < len(self.actions) else None
         fused = None
         if plan.send is not None and next_recv is not None \
                 and next_recv.carries != plan.send.carries:
             fused = self.inbox.to_post(next_recv)
-        self._post(plan.send, [fused] if fused is not None else [])
+        self._post(sends, [fused] if fused is not None else [])
         if self.prefetch and fused is None and next_recv is not None:
             early = self.inbox.to_post(next_recv)
             if early is not None:
-                self._post(None, [early])
+                self._post([], [early])
+
+    def _pair_output(self, i: int) -> None:
+        """The outputs of the pair (i, i + 1): with a lockstep posting both sends in one batch
+        with the round's receives (one commit, as DualPipe's), else each as a lone action's."""
+        if self.lockstep is None:
+            self._output(i)
+            self._output(i + 1)
+            return
+        self._hand_over(i)
+        self._hand_over(i + 1)
+        sends = [p.send for p in self.plans[i:i + 2] if p.send is not None]
+        self._post(sends, list(self.lockstep.after.get(i + 1, [])))
 
     def _pairs_with_next(self, i: int) -> bool:
-        """DualPipe's pair: an F, then a B or I of another stage whose input is held."""
+        """DualPipe's pair: an F, then a B or I of another stage: where the lockstep rounds
+        pair them, or (Megatron's fused calls) where the B's input is already held."""
+        if self.lockstep is not None:  # its rounds decide (they were built with the pairs)
+            return i in self.lockstep.pairs
         if not self.pairs or i + 1 >= len(self.actions):
             return False
-        if self.lockstep is not None and self.lockstep.before.get(i + 1):
-            return False  # the pair would post a later round's receives before this send
-        first, second = self.actions[i], self.actions[i + 1]
-        if first.kind != FORWARD or second.kind not in (BACKWARD, BACKWARD_INPUT) \
-                or first.stage == second.stage:
+        if not may_pair(self.actions[i], self.actions[i + 1]):
             return False
-        needed = self.plans[i + 1].recv
+        second, needed = self.actions[i + 1], self.plans[i + 1].recv
         if needed is not None:
             return needed in self.inbox.stash
         return second.stage == self.last or _local_key(second) in self.local
@@ -211,15 +231,14 @@ class _RankPass:
             self.starts.append(len(self.steps))
             if self.lockstep is not None:
                 for messages in self.lockstep.before.get(i, ()):
-                    self._post(None, list(messages))
+                    self._post([], list(messages))
             self._input(i)
             if self._pairs_with_next(i):
                 self.starts.append(len(self.steps))
                 self._input(i + 1)
                 self.steps.append(Compute(str(self.actions[i]), paired=True))
                 self.steps.append(Compute(str(self.actions[i + 1])))
-                self._output(i)
-                self._output(i + 1)
+                self._pair_output(i)
                 i += 2
                 yield
                 continue
@@ -228,13 +247,13 @@ class _RankPass:
                 if needed is not None and (send is None or send.carries == needed.carries):
                     early = self.inbox.to_post(needed)
                     if early is not None:
-                        self._post(None, [early])
+                        self._post([], [early])
             self.steps.append(Compute(str(self.actions[i])))
             self._output(i)
             i += 1
             yield
-        for index in list(self.unsent):
-            self._finish_send(index)
+        for key in list(self.unsent):
+            self._finish_send(key)
         if self.inbox.stash:
             raise RuntimeError(
                 f"rank {self.rank}: messages were left unconsumed at the end of the step: "

@@ -13,7 +13,7 @@ from ..program import Compute, Post, Program, Wait
 from .messages import MEGATRON_TIMERS, message_of
 
 # The compiled steps: (STEP_BEGIN, i), (STEP_COMPUTE, i, paired), (STEP_WAIT, batch, op),
-# (STEP_POST, batch, send message | None, [receive messages], call name, timed until its wait)
+# (STEP_POST, batch, [send messages], [receive messages], call name, timed until its wait)
 STEP_BEGIN, STEP_COMPUTE, STEP_WAIT, STEP_POST = range(4)
 
 
@@ -52,13 +52,13 @@ def compile_steps(program: Program, rank: int, schedule: Schedule,
             messages = [message_of(op) for op in step.batch.ops]
             sends = [m for op, m in zip(step.batch.ops, messages) if op.kind == "send"]
             recvs = [m for op, m in zip(step.batch.ops, messages) if op.kind == "recv"]
-            if len(sends) > 1 or (sends and step.batch.ops[0].kind != "send"):
-                raise ValueError(f"{program.name}: {step.batch}: the executor posts one send "
-                                 "per call, first in its batch")
+            if any(op.kind == "send" for op in step.batch.ops[len(sends):]):
+                raise ValueError(f"{program.name}: {step.batch}: the executor posts a batch's "
+                                 "sends first, then its receives")
             until_wait = timed and len(recvs) == 1 and _waited_before_compute(
                 steps, k, step.batch)
-            out.append((STEP_POST, step.batch.index, sends[0] if sends else None, recvs,
-                        step.batch.call, until_wait))
+            out.append((STEP_POST, step.batch.index, sends, recvs, step.batch.call,
+                        until_wait))
     if done != len(actions):
         raise ValueError(f"{program.name}: rank {rank}'s program computes {done} of its "
                          f"{len(actions)} actions")

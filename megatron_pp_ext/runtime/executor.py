@@ -278,16 +278,16 @@ class Executor:
         self._outgoing[plan.send] = produced
 
     # ------------------------------------------------------------------ posts and waits
-    def _post(self, index: int, send_message: Message | None, recvs: list[Message],
+    def _post(self, index: int, send_messages: list[Message], recvs: list[Message],
               name: str, until_wait: bool) -> None:
-        """One call (one batch) for a send and/or receives, as the program lists it."""
-        send = None
-        if send_message is not None:
-            if send_message not in self._outgoing:
+        """One call (one batch) for sends and/or receives, as the program lists it: sends
+        first (one, or a DualPipe pair's two), then receives."""
+        for message in send_messages:
+            if message not in self._outgoing:
                 raise RuntimeError(
-                    f"rank {self.rank}: the program posts the send of {send_message} in batch "
+                    f"rank {self.rank}: the program posts the send of {message} in batch "
                     f"#{index} before the action that computes it")
-            send = (self._outgoing.pop(send_message), send_message.peer)
+        sends = [(self._outgoing.pop(m), m.peer) for m in send_messages]
         self._calls[name] += 1
         timer = MEGATRON_TIMERS.get(name) if self.timers is not None else None
         if timer is not None:
@@ -295,25 +295,25 @@ class Executor:
         requests = [RecvRequest(m.peer, self.recv_shape, self.dtype, self.device)
                     for m in recvs]
         try:
-            if len(requests) <= 1:
+            if len(requests) <= 1 and len(sends) <= 1:  # one of Megatron's calls
                 send_handle, recv_handle = self.transport.exchange(
-                    send, requests[0] if requests else None, self.variable_shapes)
-                recv_handles = [recv_handle] if requests else []
+                    sends[0] if sends else None, requests[0] if requests else None,
+                    self.variable_shapes)
+                send_handles, recv_handles = [send_handle], [recv_handle]
             else:
-                send_handle, recv_handles = self.transport.exchange_many(
-                    send, requests, self.variable_shapes)
+                send_handles, recv_handles = self.transport.exchange_many(
+                    sends, requests, self.variable_shapes)
         except RuntimeError as exc:
-            peer = recvs[0].peer if recvs else send[1]
+            peer = recvs[0].peer if recvs else sends[0][1]
             self._raise_if_lost(exc, peer, f"posting {name} (rank {peer})", 0.0)
             raise
-        first = 1 if send is not None else 0
         for k, (message, handle) in enumerate(zip(recvs, recv_handles)):
-            self._receiving[(index, first + k)] = (handle, message)
-        if send is not None:
-            self._unsent[(index, 0)] = (send_handle, send[0], send_message)
-            if send_message.carries == ACTIVATION:
-                self._unsent_activation[(send_message.stage, send_message.microbatch)] = (
-                    index, 0)
+            self._receiving[(index, len(sends) + k)] = (handle, message)
+        for k, (message, handle, (output, _)) in enumerate(zip(send_messages, send_handles,
+                                                               sends)):
+            self._unsent[(index, k)] = (handle, output, message)
+            if message.carries == ACTIVATION:
+                self._unsent_activation[(message.stage, message.microbatch)] = (index, k)
         if timer is not None:
             if until_wait and recvs:
                 self._open_timers[index] = timer

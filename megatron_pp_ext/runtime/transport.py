@@ -164,43 +164,41 @@ class TorchDistTransport:
     def exchange(self, send, recv: RecvRequest | None, variable_shapes: bool,
                  timeout_s: float | None = None):
         """Post one send (tensor, peer) and/or one receive together (Megatron's fused calls)."""
-        send_handle, recv_handles = self.exchange_many(
-            send, [recv] if recv is not None else [], variable_shapes, timeout_s)
-        return send_handle, (recv_handles[0] if recv_handles else None)
+        send_handles, recv_handles = self.exchange_many(
+            [send] if send is not None else [], [recv] if recv is not None else [],
+            variable_shapes, timeout_s)
+        return (send_handles[0] if send_handles else None,
+                recv_handles[0] if recv_handles else None)
 
-    def exchange_many(self, send, recvs: list[RecvRequest], variable_shapes: bool,
+    def exchange_many(self, sends: list, recvs: list[RecvRequest], variable_shapes: bool,
                       timeout_s: float | None = None):
-        """One send and any receives in one call (one batch on the batched path); returns
-        (send handle or None, one receive handle per request)."""
+        """Sends (tensor, peer) and receives in one call (one batch on the batched path: a
+        DualPipe pair's two sends and its round's receives); returns (one send handle per
+        send, one receive handle per request). The lowering checks the program against
+        NCCL's rules, shape headers included: two messages of one peer received in one call
+        were sent in one call too."""
         if self.batched:
-            return self._exchange_batched(send, recvs, variable_shapes, timeout_s)
-        return self._exchange_direct(send, recvs, variable_shapes)
+            return self._exchange_batched(sends, recvs, variable_shapes, timeout_s)
+        return self._exchange_direct(sends, recvs, variable_shapes)
 
     # ---------------------------------------------------------------- batched (NCCL)
-    def _exchange_batched(self, send, recvs, variable_shapes: bool, timeout_s):
+    def _exchange_batched(self, sends, recvs, variable_shapes: bool, timeout_s):
         shapes = [(r.shape, r.dtype) for r in recvs]
         if variable_shapes:
-            shapes = self._exchange_headers(send, recvs, timeout_s)
-        ops = []
-        if send is not None:
-            ops.append(self._op(dist.isend, send[0].contiguous(), send[1]))
+            shapes = self._exchange_headers(sends, recvs, timeout_s)
+        ops = [self._op(dist.isend, tensor.contiguous(), peer) for tensor, peer in sends]
         buffers = []
         for request, (shape, dtype) in zip(recvs, shapes):
             buffers.append(torch.empty(shape, dtype=dtype, device=request.device))
             ops.append(self._op(dist.irecv, buffers[-1], request.peer))
         works = self._batch(ops)
-        send_handle = _DistSend(works, self.watch) if send is not None else None
-        return send_handle, [_DistRecv(self, r, works, b) for r, b in zip(recvs, buffers)]
+        return ([_DistSend(works, self.watch) for _ in sends],
+                [_DistRecv(self, r, works, b) for r, b in zip(recvs, buffers)])
 
-    def _exchange_headers(self, send, recvs, timeout_s) -> list[tuple]:
+    def _exchange_headers(self, sends, recvs, timeout_s) -> list[tuple]:
         """The shape-header phase: one batch, both directions, waited on; the shapes in."""
-        if len({r.peer for r in recvs}) < len(recvs):
-            # a peer sends header and payload in two batches: a second header from it would
-            # be matched with the first payload
-            raise ValueError("variable shapes: at most one receive per peer in one call")
-        ops = []
-        if send is not None:
-            ops.append(self._op(dist.isend, encode_header(send[0], self.device), send[1]))
+        ops = [self._op(dist.isend, encode_header(tensor, self.device), peer)
+               for tensor, peer in sends]
         headers = [torch.empty(_HEADER_LEN, dtype=torch.int64, device=self.device)
                    for _ in recvs]
         ops += [self._op(dist.irecv, h, r.peer) for h, r in zip(headers, recvs)]
@@ -208,12 +206,12 @@ class TorchDistTransport:
         try:
             _wait_all(self._batch(ops), limit, self.poll)
         except TransportTimeout:
-            raise self._header_timeout(send, recvs, limit) from None
+            raise self._header_timeout(sends, recvs, limit) from None
         return [decode_header(h) for h in headers]
 
-    def _header_timeout(self, send, recvs, waited_s: float) -> PipelineTimeoutError:
-        peers = [r.peer for r in recvs] or [send[1]]
-        parts = ([f"send to rank {send[1]}"] if send is not None else []) + [
+    def _header_timeout(self, sends, recvs, waited_s: float) -> PipelineTimeoutError:
+        peers = [r.peer for r in recvs] or [peer for _, peer in sends]
+        parts = [f"send to rank {peer}" for _, peer in sends] + [
             f"receive from rank {r.peer}" for r in recvs]
         return PipelineTimeoutError(
             self.rank, peers[0], f"the shape headers of one call ({', '.join(parts)}), "
@@ -226,29 +224,29 @@ class TorchDistTransport:
         return dist.P2POp(op, tensor, group=self.group, group_peer=peer)
 
     # ---------------------------------------------------------------- direct (gloo)
-    def _exchange_direct(self, send, recvs, variable_shapes: bool):
+    def _exchange_direct(self, sends, recvs, variable_shapes: bool):
         """Each op posted by itself, one Work each: each handle waits on its own Works.
-        Variable shapes: the headers first (so the receiver can allocate), then the payload,
-        whose receive is posted once its header is in (``_DistRecv.wait``)."""
-        send_works, headers, buffers = [], [None] * len(recvs), [None] * len(recvs)
+        Variable shapes: every header first (so the receiver can allocate), then the payloads,
+        a receive's posted once its header is in (``_DistRecv.wait``)."""
+        send_works: list[list] = [[] for _ in sends]
+        headers, buffers = [None] * len(recvs), [None] * len(recvs)
         recv_works: list[list] = [[] for _ in recvs]
         if variable_shapes:
-            if send is not None:
-                send_works.append(self._post(dist.isend, encode_header(send[0], self.device),
-                                             send[1]))
+            for works, (tensor, peer) in zip(send_works, sends):
+                works.append(self._post(dist.isend, encode_header(tensor, self.device), peer))
             for i, request in enumerate(recvs):
                 headers[i] = torch.empty(_HEADER_LEN, dtype=torch.int64, device=self.device)
                 recv_works[i].append(self._post(dist.irecv, headers[i], request.peer))
-        if send is not None:
-            send_works.append(self._post(dist.isend, send[0].contiguous(), send[1]))
+        for works, (tensor, peer) in zip(send_works, sends):
+            works.append(self._post(dist.isend, tensor.contiguous(), peer))
         if not variable_shapes:
             for i, request in enumerate(recvs):
                 buffers[i] = torch.empty(request.shape, dtype=request.dtype,
                                          device=request.device)
                 recv_works[i].append(self._post(dist.irecv, buffers[i], request.peer))
-        send_handle = _DistSend(send_works, self.watch) if send is not None else None
-        return send_handle, [_DistRecv(self, r, w, b, h)
-                             for r, w, b, h in zip(recvs, recv_works, buffers, headers)]
+        return ([_DistSend(works, self.watch) for works in send_works],
+                [_DistRecv(self, r, w, b, h)
+                 for r, w, b, h in zip(recvs, recv_works, buffers, headers)])
 
     def _post(self, op, tensor, peer: int):
         key = "group_dst" if op is dist.isend else "group_src"
@@ -313,19 +311,20 @@ class InMemoryTransport:
 
     def exchange(self, send, recv: RecvRequest | None, variable_shapes: bool,
                  timeout_s: float | None = None):
-        send_handle, recv_handles = self.exchange_many(
-            send, [recv] if recv is not None else [], variable_shapes)
-        return send_handle, (recv_handles[0] if recv_handles else None)
+        send_handles, recv_handles = self.exchange_many(
+            [send] if send is not None else [], [recv] if recv is not None else [],
+            variable_shapes)
+        return (send_handles[0] if send_handles else None,
+                recv_handles[0] if recv_handles else None)
 
-    def exchange_many(self, send, recvs: list[RecvRequest], variable_shapes: bool,
+    def exchange_many(self, sends: list, recvs: list[RecvRequest], variable_shapes: bool,
                       timeout_s: float | None = None):
-        send_handle = None
-        if send is not None:
-            tensor, peer = send
+        handles = []
+        for tensor, peer in sends:
             # A copy, as a wire would make: the sender may deallocate its output right after.
             self.fabric.channels[(self.rank, peer)].put(tensor.detach().clone())
-            send_handle = _DoneSend()
-        return send_handle, [self._recv(r, variable_shapes) for r in recvs]
+            handles.append(_DoneSend())
+        return handles, [self._recv(r, variable_shapes) for r in recvs]
 
     def _recv(self, recv: RecvRequest, variable_shapes: bool) -> _QueueRecv:
         request = RecvRequest(recv.peer, None if variable_shapes else recv.shape,

@@ -43,25 +43,26 @@ class _Recorder:
         self.expected = [b for b in program.batches(rank)]
 
     def exchange(self, send, recv, variable_shapes: bool):
-        send_handle, recv_handles = self.exchange_many(
-            send, [recv] if recv is not None else [], variable_shapes)
-        return send_handle, (recv_handles[0] if recv_handles else None)
+        send_handles, recv_handles = self.exchange_many(
+            [send] if send is not None else [], [recv] if recv is not None else [],
+            variable_shapes)
+        return (send_handles[0] if send_handles else None,
+                recv_handles[0] if recv_handles else None)
 
-    def exchange_many(self, send, recvs, variable_shapes: bool):
+    def exchange_many(self, sends, recvs, variable_shapes: bool):
         batch = self.expected.pop(0)  # what the executor was told to post here
         messages = [message_of(op) for op in batch.ops]
         sent = [m for op, m in zip(batch.ops, messages) if op.kind == SEND]
         received = [m for op, m in zip(batch.ops, messages) if op.kind == RECV]
-        if send is None:
-            sent = []
+        assert len(sends) == len(sent), (batch, sends)
         assert [r.peer for r in recvs] == [m.peer for m in received], (batch, recvs)
         if variable_shapes:
             header = self._post(self._ops(sent, received, "shape of "), f"{batch.call} (shapes)")
             self.steps.append(Wait(header, "the shape headers"))
         index = self._post(self._ops(sent, received), batch.call)
-        first = 1 if send is not None else 0
-        return (_Handle(self, index, 0) if send is not None else None,
-                [_Handle(self, index, first + k, _TOKEN.clone()) for k in range(len(recvs))])
+        return ([_Handle(self, index, k) for k in range(len(sends))],
+                [_Handle(self, index, len(sends) + k, _TOKEN.clone())
+                 for k in range(len(recvs))])
 
     @staticmethod
     def _ops(sent, received, what: str = "") -> list[P2POp]:

@@ -38,14 +38,29 @@ class RecordingWork(EmulatedStageWork):
         return super().weight(action)
 
 
+class PairingWork(RecordingWork):
+    """A model that offers DualPipe's overlapped F&B pair in one call (``pairs`` records each
+    as ``"F+B"``); computed one after the other, which is what the arithmetic needs."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.pairs: list[str] = []
+
+    def overlapped_forward_backward(self, f_action, f_input, b_action, b_grad):
+        self.pairs.append(f"{f_action}+{b_action}")
+        return self.forward(f_action, f_input), self.backward(b_action, b_grad)
+
+
 def run_inmemory(schedule, delays=None, costs: EmulatedCosts | None = None, timeout_s=20.0,
                  trace=False, nccl_rules=False, variable_shapes=False, timers=None,
-                 fabric: NcclRulesFabric | None = None, program=None):
+                 fabric: NcclRulesFabric | None = None, program=None, pairs=False):
     """Returns per rank: (StepResult, RecordingWork). ``nccl_rules``: over the fabric that
     enforces NCCL's rules (support.nccl_fabric; pass ``fabric`` to read what was posted),
     posting as the executor does on NCCL. ``timers``: one Megatron ``Timers`` per rank (a
     process has its own; threads must not share one). ``program``: the one every rank runs,
-    when the caller has it (else the one ``executor.program_for`` would pick)."""
+    when the caller has it (else the one ``executor.program_for`` would pick). ``pairs``: the
+    stages compute DualPipe's F&B pairs in one call (``PairingWork``)."""
+    work_class = PairingWork if pairs else RecordingWork
     weights = stage_weights(schedule.num_stages, WIDTH)
     inputs = microbatch_inputs(schedule.num_microbatches, ROWS, WIDTH)
     if nccl_rules:
@@ -54,12 +69,12 @@ def run_inmemory(schedule, delays=None, costs: EmulatedCosts | None = None, time
     # (the transport and work classes say what the instances would: on the fabric, batched,
     # the checked NCCL program)
     program = program or program_for(
-        schedule, NcclRulesTransport if nccl_rules else InMemoryTransport, RecordingWork,
+        schedule, NcclRulesTransport if nccl_rules else InMemoryTransport, work_class,
         timers[0] if timers else None, variable_shapes)
 
     def rank_fn(rank, transport):
         delay = delays[rank] if delays else 0.0
-        work = RecordingWork(schedule, rank, weights, inputs, costs=costs, delay=delay)
+        work = work_class(schedule, rank, weights, inputs, costs=costs, delay=delay)
         executor = Executor(schedule, rank, transport, work, recv_shape=(ROWS, WIDTH),
                             dtype=torch.float64, device=torch.device("cpu"),
                             timeout_s=timeout_s, trace=trace, variable_shapes=variable_shapes,

@@ -156,28 +156,29 @@ class NcclRulesTransport:
         self.device = getattr(fabric, "device", self.device)
 
     def exchange(self, send, recv: RecvRequest | None, variable_shapes: bool):
-        send_handle, recv_handles = self.exchange_many(
-            send, [recv] if recv is not None else [], variable_shapes)
-        return send_handle, (recv_handles[0] if recv_handles else None)
+        send_handles, recv_handles = self.exchange_many(
+            [send] if send is not None else [], [recv] if recv is not None else [],
+            variable_shapes)
+        return (send_handles[0] if send_handles else None,
+                recv_handles[0] if recv_handles else None)
 
     timeout_s = 60.0  # the header batch's wait inside a call (the drop-in sets it per step)
 
-    def exchange_many(self, send, recvs: list[RecvRequest], variable_shapes: bool):
+    def exchange_many(self, sends: list, recvs: list[RecvRequest], variable_shapes: bool):
         if variable_shapes:
             # As the transport on NCCL: the shapes in a batch of their own, waited on before
             # the payload batch is posted.
             header = _Batch(self.rank)
-            if send is not None:
-                shape = torch.tensor(list(send[0].shape))
-                header.ops.append(_Op(header, "send", send[1], tensor=shape))
+            for tensor, peer in sends:
+                header.ops.append(_Op(header, "send", peer,
+                                      tensor=torch.tensor(list(tensor.shape))))
             for request in recvs:
                 header.ops.append(_Op(header, "recv", request.peer, request=RecvRequest(
                     request.peer, None, torch.int64, request.device)))
             self.fabric.post(header)
             self.fabric.wait_batch(header, self.timeout_s)
         batch = _Batch(self.rank)
-        if send is not None:
-            tensor, peer = send
+        for tensor, peer in sends:
             batch.ops.append(_Op(batch, "send", peer, tensor=tensor))
         handles = []
         for request in recvs:
@@ -187,4 +188,4 @@ class NcclRulesTransport:
             batch.ops.append(op)
             handles.append(_RecvHandle(self.fabric, batch, op))
         self.fabric.post(batch)
-        return (_SendHandle(self.fabric, batch) if send is not None else None), handles
+        return [_SendHandle(self.fabric, batch) for _ in sends], handles
