@@ -116,6 +116,8 @@ def test_dualpipev_pairs_run_in_one_call_when_the_model_offers_it():
     assert pairs[1] == ["1F4+6I0", "1F5+6I1", "1F6+6B2", "6F4+1B0",
                         "1F7+6B3", "6F5+1B1", "6F6+1B2", "6F7+1B3"]
     assert [len(p) for p in pairs] == [8, 8, 8, 8]
+    assert [result.overlapped_pairs for result, _ in results] == [8, 8, 8, 8]
+    assert all(r.overlapped_pairs == 0 for r, _ in run_inmemory(schedule))  # not offered
     for rank, (_, work) in enumerate(results):
         assert work.computed == [str(a) for a in schedule.actions[rank]]  # same order
         for pair in work.pairs:  # each pair is an F and the backward right after it

@@ -73,6 +73,7 @@ def test_train_1f1b_and_zb_v(tmp_path):
     proc = runs[0]
     summary = _check_run(tmp_path / "1f1b", proc, "1f1b", 1, 3)
     assert summary["peak_activations"] == [2, 1]  # 1F1B: p - r
+    assert summary["overlapped_pairs"] == [0, 0]  # a dense GPT computes no F&B pair
     assert "hint:" not in proc.stderr  # p <= m
 
     proc = runs[1]

@@ -67,6 +67,7 @@ class StepResult:
     peak_bytes_parts: dict | None = None
     saved_bytes_per_stage: dict | None = None
     device_peak_bytes: int | None = None
+    overlapped_pairs: int = 0  # DualPipe's F&B pairs computed in one call (a COUNT)
 
 
 def memory_measured() -> bool:
@@ -159,6 +160,7 @@ class Executor:
         self._open_timers: dict[int, str] = {}  # batch -> its call's timer, until its wait
         self._next = 0  # the next action to compute
         self._paired: int | None = None  # an F waiting for its pair's B
+        self._pairs = 0
         self._held = self._peak = 0
         self._start_memory()
         begin = getattr(self.work, "begin", None)
@@ -183,7 +185,8 @@ class Executor:
                 "and waits)")
         stats = getattr(self.work, "weight_grad_stats", None)
         result = StepResult(list(self.actions), self._peak, self._calls, self._events,
-                            weight_grads=stats() if callable(stats) else None)
+                            weight_grads=stats() if callable(stats) else None,
+                            overlapped_pairs=self._pairs)
         self._finish_memory(result)
         return result
 
@@ -197,6 +200,7 @@ class Executor:
         if self._paired is not None:
             first = self.actions[self._paired]
             self._paired = None
+            self._pairs += 1
             incoming, partner_in = self._input_of(i - 1, first), self._input_of(i, action)
             start = self.clock() if self.trace else 0.0
             produced, partner_out = self.work.overlapped_forward_backward(

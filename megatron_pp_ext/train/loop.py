@@ -205,6 +205,8 @@ def _summary(settings: TrainSettings, state, history: _History, world_size: int,
         "bubble_predicted_per_step": history.predicted_bubbles,
         "bubble_unit_costs": unit_cost_bubble(schedule) if schedule is not None else 0.0,
         "peak_activations": measurement.peak_activations,  # a COUNT per rank
+        # DualPipe's F&B pairs computed in one call, per rank (a COUNT; the last step's)
+        "overlapped_pairs": measurement.overlapped_pairs,
         **memory_summary(schedule, measurement),
         "makespan_measured_s": measurement.timeline.makespan if measurement.timeline else None,
         "makespan_predicted_s": predicted.makespan if predicted is not None else None,

@@ -32,6 +32,7 @@ class StepMeasurement:
     device_peak_bytes: list | None = None
     saved_bytes_per_stage: dict | None = None  # {stage: bytes one F of it saved}
     weight_grads: list | None = None  # per rank: the I/W split's GEMM counts (or None)
+    overlapped_pairs: list | None = None  # per rank: F&B pairs computed in one call (COUNT)
 
 
 def memory_payload(result) -> dict:
@@ -40,7 +41,8 @@ def memory_payload(result) -> dict:
             "peak_bytes_parts": getattr(result, "peak_bytes_parts", None),
             "device_peak_bytes": getattr(result, "device_peak_bytes", None),
             "saved_bytes_per_stage": getattr(result, "saved_bytes_per_stage", None),
-            "weight_grads": getattr(result, "weight_grads", None)}
+            "weight_grads": getattr(result, "weight_grads", None),
+            "overlapped_pairs": getattr(result, "overlapped_pairs", 0)}
 
 
 def _with_memory(measurement: StepMeasurement, payloads: list[dict]) -> StepMeasurement:
@@ -48,6 +50,7 @@ def _with_memory(measurement: StepMeasurement, payloads: list[dict]) -> StepMeas
     measurement.peak_bytes_parts = [p["peak_bytes_parts"] for p in payloads]
     measurement.device_peak_bytes = [p["device_peak_bytes"] for p in payloads]
     measurement.weight_grads = [p.get("weight_grads") for p in payloads]
+    measurement.overlapped_pairs = [p.get("overlapped_pairs", 0) for p in payloads]
     stages: dict = {}
     for p in payloads:
         stages.update(p["saved_bytes_per_stage"] or {})
