@@ -11,7 +11,8 @@ a module of their own:
 1. every schedule over the in-memory NCCL-rules fabric, gradients and losses against pp=1
    (``bench/gpu_fabric.py``; its timers: ``bench/gpu_timing.py``);
 2. CUDA streams, CUDA only: part 1's fabric on CUDA and the control that a read needs the
-   wait (``bench/gpu_streams.py``);
+   wait (``bench/gpu_streams.py``), and what an MoE F&B pair in Megatron's plan order hides of
+   its all-to-alls on two streams (``bench/gpu_moe.py``: at least 80 %);
 3. real NCCL where torch sees 2 or more GPUs, 2 spawned ranks (``bench/gpu_nccl.py``);
    else NOT RUN and why (never counted as a pass).
 

@@ -18,6 +18,7 @@ import contextlib
 
 import torch
 
+from bench.gpu_moe import moe_pair_check
 from megatron_pp_ext.runtime.transport import RecvRequest
 from support.nccl_fabric import NcclRulesFabric
 
@@ -123,9 +124,13 @@ def stream_check(device: torch.device, dtype) -> tuple[bool, str]:
 
 
 def stream_part(device: torch.device, dtype) -> tuple[str, str]:
-    """Part 2's (status, detail): ``stream_check``, an exception counted as its failure."""
-    try:
-        stream_ok, stream_detail = stream_check(device, dtype)
-    except Exception as exc:  # noqa: BLE001
-        stream_ok, stream_detail = False, f"{type(exc).__name__}: {exc}"
-    return ("PASS" if stream_ok else "FAIL"), stream_detail
+    """Part 2's (status, detail): ``stream_check`` and the MoE F&B pair's overlap
+    (``bench.gpu_moe``), an exception counted as its failure."""
+    results = []
+    for check in (lambda: stream_check(device, dtype), lambda: moe_pair_check(device)):
+        try:
+            results.append(check())
+        except Exception as exc:  # noqa: BLE001
+            results.append((False, f"{type(exc).__name__}: {exc}"))
+    ok = all(passed for passed, _ in results)
+    return ("PASS" if ok else "FAIL"), "; ".join(detail for _, detail in results)

@@ -19,9 +19,13 @@ floor's; the pairs hide ``(alone - paired) / (alone - floor)`` of what running a
 Target (issue 26): at least 80 % at p=4, m=16, a = 30 % of a layer's compute. Reported, never
 asserted.
 
-Not here yet: Megatron's own combined 1F1B and torch.pipelining's DualPipeV on the same
-device (both need the two-stream emulation inside their own code), and the CUDA-stream check
-in ``bench/gpu_check.py``.
+At the first size also torch.pipelining's DualPipeV: its per-rank order, computed by torch's
+own ``ScheduleDualPipeV`` (``bench.synthesized.torch_order``), run on the plugin's executor with
+the same pairing (its OVERLAP_F_B cells are F's followed by a B of the other chunk); not
+torch's runtime. Not here: Megatron's own combined 1F1B (its per-layer plan needs Megatron's
+layers and CUDA streams inside its own code; its interleaved order does not pair here: a
+steady-state B's gradient arrives after the F it would pair with). The CUDA-stream check is
+``bench/gpu_moe.py`` (part of ``bench/gpu_check.py``).
 
     .venv/bin/python -m bench.moe_overlap [--sizes 4x16 2x8 2x32] [--share 0.3] [--c-ms 4]
 """
@@ -129,14 +133,23 @@ def _step(schedule, rank, transport, costs: MoECosts, paired: bool) -> tuple[flo
     return start, time.perf_counter(), work.pairs
 
 
-def tree(rank: int, world: int, m: int, c: float, share: float, layers: int, reps: int) -> dict:
+TORCH_DUALPIPEV = "torch.pipelining's DualPipeV order"
+
+
+def tree(rank: int, world: int, m: int, c: float, share: float, layers: int, reps: int,
+         order: str = "dualpipev") -> dict:
     """Spawn target: the three runs, ``reps`` rounds in rotating order, in one process tree."""
     import torch.distributed as dist
 
+    from bench.synthesized import torch_order
     from megatron_pp_ext.runtime.transport import TorchDistTransport
     from megatron_pp_ext.schedules import build_schedule
 
-    schedule = build_schedule("dualpipev", world, m, chunks=2)
+    if order == TORCH_DUALPIPEV:
+        schedule = torch_order("DualPipeV", world, m)
+        schedule.options["overlapped_pairs"] = True  # its OVERLAP_F_B cells
+    else:
+        schedule = build_schedule(order, world, m, chunks=2)
     transport = TorchDistTransport(None)
     runs = {"floor (a = 0)": (MoECosts(c, 0.0, layers), False),
             "all-to-alls alone": (MoECosts(c, share * c, layers), False),
@@ -179,31 +192,35 @@ def main(argv=None) -> int:
 
     started, prov = time.perf_counter(), current(argv)
     rows, raw = [], []
-    for p, m in args.sizes:
-        result = spawn(p, tree, m, args.c_ms / 1000, args.share, args.layers, args.reps,
+    runs = [(p, m, "dualpipev") for p, m in args.sizes]
+    runs.insert(1, (*args.sizes[0], TORCH_DUALPIPEV))
+    for p, m, order in runs:
+        result = spawn(p, tree, m, args.c_ms / 1000, args.share, args.layers, args.reps, order,
                        timeout_s=1200)[0]
         steps = {label: statistics.median(times) for label, times in result["steps"].items()}
         floor, alone, paired = steps.values()
         hidden = (alone - paired) / (alone - floor) if alone > floor else float("nan")
         cells = [f"{1e3 * steps[label]:.1f} ({1e3 * min(times):.1f}-{1e3 * max(times):.1f})"
                  for label, times in result["steps"].items()]
-        rows.append(f"| {p} | {m} | {' | '.join(cells)} | {result['pairs_per_rank']} | "
-                    f"{hidden:.0%} |")
-        raw.append({"p": p, "m": m, **result, "hidden": hidden})
+        rows.append(f"| {order} | {p} | {m} | {' | '.join(cells)} | "
+                    f"{result['pairs_per_rank']} | {hidden:.0%} |")
+        raw.append({"order": order, "p": p, "m": m, **result, "hidden": hidden})
     prov = finish(prov, started)
     text = "\n".join([
         "# (h) MoE all-to-all hidden by DualPipeV's F&B pairs (emulated device)",
         "",
         short(prov),
         "",
-        f"dualpipev, {args.layers} MoE layer(s) per chunk, a layer's forward compute "
+        f"{args.layers} MoE layer(s) per chunk, a layer's forward compute "
         f"{args.c_ms:g} ms, each all-to-all {args.share:.0%} of it; steps in ms, median "
         f"(min-max) of {args.reps} rounds, the three runs rotating in one process tree; "
         "hidden: (alone - paired) / (alone - floor). Target (issue 26): at least 80 % at "
-        "p=4, m=16.",
+        "p=4, m=16. torch.pipelining's DualPipeV order: computed by torch's own "
+        "ScheduleDualPipeV, run on the plugin's executor (not torch's runtime).",
         "",
-        "| p | m | floor (a = 0) | all-to-alls alone | paired | F&B pairs per rank | hidden |",
-        "|---|---|---|---|---|---|---|",
+        "| order | p | m | floor (a = 0) | all-to-alls alone | paired | F&B pairs per rank "
+        "| hidden |",
+        "|---|---|---|---|---|---|---|---|",
         *rows]) + "\n"
     print(text)
     RESULTS.mkdir(parents=True, exist_ok=True)
