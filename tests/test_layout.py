@@ -55,3 +55,25 @@ def test_the_schedule_path_loads_no_cpu_shim_and_leaves_torch_cuda_alone():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+
+
+def _compile_state(rank: int, world_size: int) -> dict:
+    import megatron.core.jit
+    import torch
+
+    from megatron_pp_ext.train import megatron_import
+
+    return {"dynamo_loaded": "torch._dynamo" in sys.modules,
+            "fusions_compiled": megatron.core.jit.jit_fuser is not megatron_import._compile_nothing,
+            "torch_compile_restored": torch.compile is not megatron_import._compile_nothing}
+
+
+def test_train_ranks_import_megatron_without_compiling_its_fusions_on_the_cpu():
+    """A rank forked from the process server (which preloads ``train.megatron_import`` before
+    Megatron): Megatron's fusions are plain functions, TorchDynamo was never imported (2.8 s
+    of CPU per process), and ``torch.compile`` is torch's own again."""
+    from megatron_pp_ext.train.processes import spawn
+
+    (state,) = spawn(1, _compile_state, timeout_s=120)
+    assert state == {"dynamo_loaded": False, "fusions_compiled": False,
+                     "torch_compile_restored": True}
