@@ -61,7 +61,7 @@ def _compile_state(rank: int, world_size: int) -> dict:
     import megatron.core.jit
     import torch
 
-    from megatron_pp_ext.train import megatron_import
+    from megatron_pp_ext.integration import megatron_import
 
     return {"dynamo_loaded": "torch._dynamo" in sys.modules,
             "fusions_compiled": megatron.core.jit.jit_fuser is not megatron_import._compile_nothing,
@@ -69,7 +69,7 @@ def _compile_state(rank: int, world_size: int) -> dict:
 
 
 def test_train_ranks_import_megatron_without_compiling_its_fusions_on_the_cpu():
-    """A rank forked from the process server (which preloads ``train.megatron_import`` before
+    """A rank forked from the process server (which preloads ``train.preload`` before
     Megatron): Megatron's fusions are plain functions, TorchDynamo was never imported (2.8 s
     of CPU per process), and ``torch.compile`` is torch's own again."""
     from megatron_pp_ext.train.processes import spawn

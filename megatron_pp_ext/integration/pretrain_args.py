@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from .megatron_args import add_pipeline_schedule_args
+from .megatron_import import import_megatron
 
 
 def split_launcher(argv: Sequence[str]) -> tuple[list[str], int | None, str | None]:
@@ -82,6 +83,8 @@ def parse_pretrain_args(argv: Sequence[str]):
         # importing Megatron (and torch) on a machine without CUDA logs about it: not ours to say
         logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
         with contextlib.redirect_stderr(io.StringIO()):
+            # without a GPU, not compiling Megatron's fusions: 2.8 s of CPU (no model runs here)
+            import_megatron("megatron.training.arguments")
             from megatron.training.arguments import parse_args
 
         sys.argv = ["pretrain_gpt.py", *argv]

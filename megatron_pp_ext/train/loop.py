@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from .. import device as device_helper
 from ..integration.plan import plan_text
-from . import megatron_import  # noqa: F401  (before Megatron's first import: see its docstring)
+from . import preload  # noqa: F401  (before Megatron's first import: see its docstring)
 from .data import counting_batches
 from .measure import (
     StepMeasurement,

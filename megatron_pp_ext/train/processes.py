@@ -38,7 +38,7 @@ __all__ = ["spawn", "start_server", "free_port", "host_store", "init_megatron", 
 # Modules the forkserver imports once, so that every rank forks with them already loaded.
 _PRELOAD = [
     "torch",
-    "megatron_pp_ext.train.megatron_import",  # Megatron without compiling its fusions on a CPU
+    "megatron_pp_ext.train.preload",  # Megatron without compiling its fusions on a CPU
     "megatron.core.models.gpt",
     "megatron.core.pipeline_parallel.schedules",
     "megatron.core.distributed",

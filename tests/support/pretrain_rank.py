@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 
 def main(argv: list[str] | None = None) -> int:
-    import megatron_pp_ext.train.megatron_import  # noqa: F401 (before Megatron: 2.8 s less CPU)
+    import megatron_pp_ext.train.preload  # noqa: F401 (before Megatron: 2.8 s less CPU)
     from megatron_pp_ext.train.launcher import detect
 
     argv = sys.argv[1:] if argv is None else argv

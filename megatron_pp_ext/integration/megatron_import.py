@@ -10,9 +10,11 @@ nothing while these modules import (the fusions stay plain functions, and ``jit_
 the pass-through for Megatron's later imports), and is restored right after. With a GPU
 nothing changes.
 
-Importing this module does it (the forkserver preloads modules by name:
-``train.processes._PRELOAD`` lists it before Megatron's); a rank started on its own (srun)
-imports it with ``train.loop``, before it builds the model.
+Who calls it: the ``train`` ranks' process server (it preloads ``train.preload``, which
+does), a rank started on its own (srun: ``train.loop`` imports ``train.preload``), and the
+commands that read Megatron-LM's arguments (``plan``, ``select``, ``simulate -- ARGS``:
+``pretrain_args.parse_pretrain_args``), which never run a model. Where Megatron is imported
+already (a training process, which imported it itself), it changes nothing.
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ import torch
 from .. import device as device_helper
 
 #: what a train rank uses (``train.processes._PRELOAD``)
-MODULES = ("megatron.core.models.gpt", "megatron.core.pipeline_parallel.schedules",
-           "megatron.core.distributed")
+RANK_MODULES = ("megatron.core.models.gpt", "megatron.core.pipeline_parallel.schedules",
+                "megatron.core.distributed")
 
 
 def _compile_nothing(model=None, **_options):
@@ -35,22 +37,21 @@ def _compile_nothing(model=None, **_options):
     return model if model is not None else (lambda fn: fn)
 
 
-def import_megatron() -> None:
-    """Import ``MODULES``; without a GPU and before Megatron's first import, with
-    ``torch.compile`` compiling nothing meanwhile."""
+def import_megatron(*modules: str) -> None:
+    """Import ``modules`` (default ``RANK_MODULES``); without a GPU and before Megatron's first
+    import, with ``torch.compile`` compiling nothing meanwhile."""
+    modules = modules or RANK_MODULES
     if "megatron.core.jit" in sys.modules or device_helper.cuda_available():
-        for name in MODULES:
+        for name in modules:
             importlib.import_module(name)
         return
     original = torch.compile
     torch.compile = _compile_nothing
     try:
-        for name in MODULES:
+        for name in modules:
             importlib.import_module(name)
     finally:
         torch.compile = original
 
 
-import_megatron()
-
-__all__ = ["MODULES", "import_megatron"]
+__all__ = ["RANK_MODULES", "import_megatron"]
