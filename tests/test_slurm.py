@@ -349,8 +349,13 @@ def test_a_node_lost_mid_run_ends_the_job_and_every_survivor_names_it(tmp_path):
                                   timeout=30).stdout:
         pytest.fail(f"node {lost} is not a network namespace of this machine: the test cuts "
                     "a local_cluster.sh node's link (start --nodes 2)", pytrace=False)
+    # m=32: a step is mostly the pipeline's point-to-point (1.6 s here), so the cut, made as
+    # soon as the test sees step 1's line, lands where --p2p-timeout-s bounds every wait. Cut
+    # during the collectives between steps (Megatron's optimizer, the train loop's loss and
+    # measurement gathers), a survivor waits for the process group's timeout instead and
+    # SLURM ends the job first, with no survivor's report (seen once at m=8 on a loaded machine)
     job_id, output, env = _submit(
-        tmp_path, CPU_JOB, dict(CPU_RUN, M="8", STEPS="40", OUT=str(tmp_path / "out"),
+        tmp_path, CPU_JOB, dict(CPU_RUN, M="32", STEPS="40", OUT=str(tmp_path / "out"),
                                 TRAIN_ARGS=f"--p2p-timeout-s {LOST_P2P_TIMEOUT_S}"),
         f"--nodelist={nodes[0]},{lost}", "--nodes=2", "--no-requeue")
     deadline = time.monotonic() + SBATCH_TIMEOUT_S
