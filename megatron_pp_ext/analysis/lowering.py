@@ -35,15 +35,17 @@ def lower(schedule: Schedule, posting: str = MEGATRON,
     exchanges its shape headers in a batch of its own and waits on it, as the transport does
     on NCCL. ``postings``: each rank's lockstep-seam posting given explicitly (a user's
     program, ``user_program.postings``). ``prefetch`` and ``overlapped_pairs``:
-    ``program_pass``'s rules of those names (the pairs only where the schedule has them:
-    DualPipeV; lockstep rounds then pair them). ``plans``: every rank's
-    ``messages.comm_plan``, when the caller has them."""
-    name = _name(schedule, posting, variable_shapes)
+    ``program_pass``'s rule of that name; ``overlapped_pairs``: DualPipe's posting, lockstep
+    rounds in which an F&B pair takes one round (only where the schedule has pairs:
+    DualPipeV; the posting is then lockstep whatever ``posting`` says). ``plans``: every
+    rank's ``messages.comm_plan``, when the caller has them."""
     pairs = overlapped_pairs and bool(schedule.options.get("overlapped_pairs"))
+    if pairs and postings is None:
+        posting = LOCKSTEP
+    name = _name(schedule, posting, variable_shapes)
     if postings is None and posting == LOCKSTEP:
         postings = lockstep_postings(schedule, plans=plans, pairs=pairs)
-    return lower_program(schedule, name, postings, post_ahead, variable_shapes, prefetch, pairs,
-                         plans)
+    return lower_program(schedule, name, postings, post_ahead, variable_shapes, prefetch, plans)
 
 
 def _name(schedule: Schedule, posting: str, variable_shapes: bool) -> str:
@@ -102,7 +104,7 @@ def _derived_choice(schedule: Schedule, variable_shapes: bool, pairs: bool) -> N
     try:  # lowered as the check plays it: where the fused calls hang, they do so early
         program, feeds = lower_program_lazily(schedule, _name(schedule, MEGATRON,
                                                               variable_shapes),
-                                              None, False, variable_shapes, False, False, plans)
+                                              None, False, variable_shapes, False, plans)
         check_nccl_rules(program, feeds)
     except ScheduleError:
         postings = lockstep_postings(schedule, plans=plans)
@@ -195,9 +197,7 @@ def runtime_program(schedule: Schedule, *, batched: bool, prefetch: bool = False
     early with ``prefetch``; with ``overlapped_pairs`` where the schedule has F&B pairs, as
     on NCCL, DualPipe's posting (lockstep rounds, a pair in one), so every rank pairs."""
     if not batched:
-        if overlapped_pairs and schedule.options.get("overlapped_pairs"):
-            return lower(schedule, LOCKSTEP, overlapped_pairs=True)
-        return lower(schedule, MEGATRON, prefetch=prefetch)
+        return lower(schedule, MEGATRON, prefetch=prefetch, overlapped_pairs=overlapped_pairs)
     choice = choice or nccl_choice(schedule, variable_shapes, overlapped_pairs)
     if not variable_shapes:
         return choice.program

@@ -14,12 +14,9 @@ order that peer sends them) and these posting rules:
 - ``post_ahead`` (NCCL, where ``lowering`` proved it safe and faster): the next action's
   receive, when it will not go fused with this action's send, is posted before this action
   computes;
-- ``overlapped_pairs`` (DualPipeV with a model that computes an F&B pair in one call): an F
+- DualPipe's F&B pairs (a lockstep posting built with them, ``LockstepPosting.pairs``): an F
   and the B or I right after it, on another stage, run as one pair, both inputs received
-  first: with a lockstep posting, where the rounds pair them (``LockstepPosting.pairs``: both
-  sends then go in one batch with the round's receives, DualPipe's commit); with Megatron's
-  fused calls, where the B's input is already held (received earlier or handed over on this
-  rank), each send then posted as after a lone action;
+  first; both sends then go in one batch with the round's receives (DualPipe's commit);
 - the action computes;
 - its send goes in one batch with the next action's receive when they go opposite ways
   (Megatron's ``send_forward_recv_backward`` / ``send_backward_recv_forward``), or, with a
@@ -41,7 +38,7 @@ from __future__ import annotations
 from ..ir import BACKWARD_WEIGHT, FORWARD, Schedule
 from ..program import RECV, SEND, Batch, Compute, P2POp, Post, Program, Wait
 from .messages import (ACTIVATION, GRADIENT, CommPlan, Inbox, LockstepPosting, Message,
-                       call_name, comm_plan, may_pair, sent_to_each_rank)
+                       call_name, comm_plan, sent_to_each_rank)
 
 
 def op_label(message: Message) -> str:
@@ -84,8 +81,7 @@ class _RankPass:
 
     def __init__(self, schedule: Schedule, rank: int, plans: list[CommPlan],
                  incoming: dict[int, list[Message]], lockstep: LockstepPosting | None,
-                 post_ahead: bool, variable_shapes: bool, prefetch: bool,
-                 overlapped_pairs: bool, shared: _Ops):
+                 post_ahead: bool, variable_shapes: bool, prefetch: bool, shared: _Ops):
         self.op_of, self.calls = shared.op_of, shared.calls
         self.rank, self.last = rank, schedule.num_stages - 1
         self.actions = schedule.actions[rank]
@@ -93,7 +89,6 @@ class _RankPass:
         self.lockstep = lockstep
         self.post_ahead = post_ahead and lockstep is None
         self.prefetch = prefetch and lockstep is None
-        self.pairs = overlapped_pairs
         self.variable_shapes = variable_shapes
         self.inbox = Inbox(incoming)  # a receive in flight is (its batch, its op)
         self.unsent: dict[tuple[int, int], Message] = {}  # (batch, op) of an unwaited send
@@ -193,30 +188,16 @@ class _RankPass:
                 self._post([], [early])
 
     def _pair_output(self, i: int) -> None:
-        """The outputs of the pair (i, i + 1): with a lockstep posting both sends in one batch
-        with the round's receives (one commit, as DualPipe's), else each as a lone action's."""
-        if self.lockstep is None:
-            self._output(i)
-            self._output(i + 1)
-            return
+        """The outputs of the pair (i, i + 1): both sends in one batch with the round's
+        receives (one commit, as DualPipe's)."""
         self._hand_over(i)
         self._hand_over(i + 1)
         sends = [p.send for p in self.plans[i:i + 2] if p.send is not None]
         self._post(sends, list(self.lockstep.after.get(i + 1, [])))
 
     def _pairs_with_next(self, i: int) -> bool:
-        """DualPipe's pair: an F, then a B or I of another stage: where the lockstep rounds
-        pair them, or (Megatron's fused calls) where the B's input is already held."""
-        if self.lockstep is not None:  # its rounds decide (they were built with the pairs)
-            return i in self.lockstep.pairs
-        if not self.pairs or i + 1 >= len(self.actions):
-            return False
-        if not may_pair(self.actions[i], self.actions[i + 1]):
-            return False
-        second, needed = self.actions[i + 1], self.plans[i + 1].recv
-        if needed is not None:
-            return needed in self.inbox.stash
-        return second.stage == self.last or _local_key(second) in self.local
+        """DualPipe's pair: where the lockstep rounds pair action i with the next one."""
+        return self.lockstep is not None and i in self.lockstep.pairs
 
     def run(self) -> tuple[list, list[int]]:
         for _ in self.walk():
@@ -267,13 +248,13 @@ def _local_key(action) -> tuple:
 
 def lower_program(schedule: Schedule, name: str, postings: list | None = None,
                   post_ahead: bool = False, variable_shapes: bool = False,
-                  prefetch: bool = False, overlapped_pairs: bool = False,
+                  prefetch: bool = False,
                   plans: list[list[CommPlan]] | None = None) -> Program:
     """The program (see the module docstring); ``postings``: each rank's lockstep posting, or
     None for Megatron's fused calls; ``plans``: every rank's ``comm_plan``, when the caller
     has them."""
     program, feeds = lower_program_lazily(schedule, name, postings, post_ahead,
-                                          variable_shapes, prefetch, overlapped_pairs, plans)
+                                          variable_shapes, prefetch, plans)
     for feed in feeds:
         for _ in feed:
             pass
@@ -282,7 +263,7 @@ def lower_program(schedule: Schedule, name: str, postings: list | None = None,
 
 def lower_program_lazily(schedule: Schedule, name: str, postings: list | None = None,
                          post_ahead: bool = False, variable_shapes: bool = False,
-                         prefetch: bool = False, overlapped_pairs: bool = False,
+                         prefetch: bool = False,
                          plans: list[list[CommPlan]] | None = None) -> tuple[Program, list]:
     """``lower_program``'s program with every rank's steps still empty, and per rank a feed
     (an iterator) whose every step lowers one more action into them: a check that plays the
@@ -293,7 +274,7 @@ def lower_program_lazily(schedule: Schedule, name: str, postings: list | None = 
     for rank in range(schedule.num_ranks):
         walk = _RankPass(schedule, rank, plans[rank], incoming[rank],
                          postings[rank] if postings else None, post_ahead, variable_shapes,
-                         prefetch, overlapped_pairs, shared)
+                         prefetch, shared)
         program.steps.append(walk.steps)
         program.action_starts.append(walk.starts)
         feeds.append(walk.walk())
