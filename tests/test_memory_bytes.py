@@ -274,6 +274,33 @@ def test_storages_are_counted_once_and_parameters_never():
     assert unique_bytes([x, x[1:], x.t()]) == UNIT
 
 
+
+def test_a_weight_made_where_a_freed_input_was_is_not_an_activation():
+    """PipeDream's weight versions are leaves that require grad, made each update, and the
+    allocator may place one where a received input was. Its address alone once made it an
+    activation (the flaky rank-1 bytes of test_pipedream_train); the base tensor here pins
+    the storage so that the address is reused on purpose, not by the allocator's chance."""
+    meter = ActivationMemory()
+    base = torch.randn(ROWS, WIDTH, dtype=torch.float64)
+    received = base[:].requires_grad_(True)  # a leaf on base's storage
+    meter.note_input(received)
+    del received  # freed: its storage (kept here by base) now holds something else
+    version = base.detach().requires_grad_(True)  # a weight version on the same storage
+    # a leaf that requires grad and was not received: mm saves it and the version, tanh its
+    # output; only the output is an activation
+    other = torch.randn(ROWS, ROWS, dtype=torch.float64, requires_grad=True)
+    meter.record_forward(0, 0, torch.tanh(other @ version))
+    assert meter.sample() == UNIT
+    # the same when the input is alive but its storage was replaced (deallocated)
+    meter = ActivationMemory()
+    received = torch.randn(ROWS, WIDTH, dtype=torch.float64, requires_grad=True)
+    meter.note_input(received)
+    version = torch.empty(0, dtype=torch.float64).set_(received.untyped_storage()) \
+        .view(ROWS, WIDTH).requires_grad_(True)
+    received.data = torch.empty(1, dtype=torch.float64)
+    meter.record_forward(0, 0, torch.tanh(other @ version))
+    assert meter.sample() == UNIT
+
 def test_a_saved_parameter_keeps_its_identity():
     """The measurement reads what autograd saved and changes nothing: a custom Function gets
     its parameter back as the same object, with its attributes (Megatron's linear sets

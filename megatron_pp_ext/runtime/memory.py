@@ -116,7 +116,8 @@ class ActivationMemory:
     """One rank's activation bytes over one step (see the module docstring)."""
 
     def __init__(self):
-        self._inputs: set[tuple] = set()  # storages of received stage inputs (leaves)
+        # storage key -> weak reference to the received stage input (a leaf) it belongs to
+        self._inputs: dict[tuple, weakref.ref] = {}
         # (stage, mb) -> {storage key: bytes} of the F's saved tensors still held
         self._held: dict[tuple[int, int], dict[tuple, int]] = {}
         self._outputs: dict[tuple[int, int], list] = {}  # (stage, mb) -> weakrefs to outputs
@@ -129,15 +130,27 @@ class ActivationMemory:
         it is a leaf that requires grad."""
         entry = storage_key_and_bytes(tensor)
         if entry is not None:
-            self._inputs.add(entry[0])
+            self._inputs[entry[0]] = weakref.ref(tensor)
 
     def _is_activation(self, tensor: torch.Tensor) -> bool:
         if isinstance(tensor, torch.nn.Parameter):
             return False
         if tensor.is_leaf and tensor.requires_grad:
             entry = storage_key_and_bytes(tensor)
-            return entry is not None and entry[0] in self._inputs
+            return entry is not None and self._is_received_input(entry[0])
         return True
+
+    def _is_received_input(self, key: tuple) -> bool:
+        """Whether the storage at ``key`` is a received input's. An address alone is not
+        enough: once an input is freed, the allocator reuses its address, and a leaf that
+        requires grad made later there (PipeDream's weight versions) is not an activation.
+        So the input must still be alive and still on that storage."""
+        ref = self._inputs.get(key)
+        received = ref() if ref is not None else None
+        if received is None:
+            return False
+        current = storage_key_and_bytes(received)
+        return current is not None and current[0] == key
 
     # ------------------------------------------------------------------ attribution
     def record_forward(self, stage: int, microbatch: int, outputs) -> int:
