@@ -43,6 +43,10 @@ _PRELOAD = [
     "megatron.core.pipeline_parallel.schedules",
     "megatron.core.distributed",
     "megatron_pp_ext.models.tiny_gpt",
+    # torch.optim's Optimizer.__init__ imports TorchDynamo at its first call (to disable it
+    # around itself): once here, not in every rank (~1.2 s of CPU each). After Megatron, so its
+    # fusions stay uncompiled (integration/megatron_import.py).
+    "torch._dynamo",
 ]
 _CONTEXTS: dict[str, Any] = {}
 

@@ -9,23 +9,16 @@ inherited by the forked ranks. Nothing here changes what a run computes.
   ``inspect.getsource`` + ``ast.parse``, ~0.25 s of CPU per ``parse_args``, and a loop run
   parses twice per rank). The docstrings are a pure function of the class, so they are
   memoized per class here and the memo is filled by building Megatron's parser once.
-- TorchInductor's config, and with it TorchDynamo: Megatron-LM's ``validate_args`` under
-  ``--deterministic-mode`` (every loop run here) calls ``torch.use_deterministic_algorithms``,
-  which imports ``torch._inductor.config`` (its package imports TorchDynamo): ~2.5 s of CPU per
-  rank otherwise, a third of a short loop run's. Imported last, after Megatron, so that
-  Megatron's own import is the one the ``train`` command's ranks get (no TorchDynamo, fusions
-  not compiled): ``DYNAMO_BEFORE_WARMUP`` records it for the test that checks this.
+- TorchInductor's config: Megatron-LM's ``validate_args`` under ``--deterministic-mode`` (every
+  loop run here) calls ``torch.use_deterministic_algorithms``, which imports
+  ``torch._inductor.config``: a share of the ~2.5 s of CPU per rank that it and TorchDynamo
+  (the server preloads it: ``train.processes._PRELOAD``) cost a loop run's rank otherwise.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
-import sys
-
-#: whether TorchDynamo was loaded by what the server imported before this module (torch, the
-#: plugin's ``train.preload``, Megatron): test_layout asserts it was not
-DYNAMO_BEFORE_WARMUP = "torch._dynamo" in sys.modules
 
 from megatron.training import argument_utils, arguments
 
