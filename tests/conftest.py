@@ -8,13 +8,19 @@ import pytest
 
 
 def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "megatron_cpu: multi-process gloo test that trains the tiny Megatron-Core GPT on the CPU",
+    )
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        return  # pytest-xdist's controller: its workers run the tests (and import torch)
     # The ranks of the tests' Megatron-LM loop runs import megatron.training (~0.5 s each) and
     # repeat work that support.forkserver_warmup does once: the tests' process server imports
-    # both before forking them. (The `train` command's own server does not: its ranks never
-    # import them.)
+    # both before forking them, and pytest, which a rank running a test module's function
+    # imports with it. (The `train` command's own server does not: its ranks never import them.)
     from megatron_pp_ext.train import processes
 
-    processes.preload("megatron.training", "support.forkserver_warmup")
+    processes.preload("megatron.training", "pytest", "support.forkserver_warmup")
     # One index cache of the mock dataset for the session's Megatron-LM loop runs (ranks fork
     # from the server, which is started later and inherits this environment).
     from support.megatron_loop import MOCK_CACHE_ENV
@@ -22,10 +28,6 @@ def pytest_configure(config):
     cache = tempfile.mkdtemp(prefix="megatron-pp-mock-cache-")
     os.environ[MOCK_CACHE_ENV] = cache
     config.add_cleanup(lambda: shutil.rmtree(cache, ignore_errors=True))
-    config.addinivalue_line(
-        "markers",
-        "megatron_cpu: multi-process gloo test that trains the tiny Megatron-Core GPT on the CPU",
-    )
 
 
 #: test modules by their total time, most first (measured with -n 2 on 2 cores, 2026-12-02): the

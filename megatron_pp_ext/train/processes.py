@@ -47,6 +47,10 @@ _PRELOAD = [
     # around itself): once here, not in every rank (~1.2 s of CPU each). After Megatron, so its
     # fusions stay uncompiled (integration/megatron_import.py).
     "torch._dynamo",
+    # imported by every rank otherwise: the drop-in (train.loop installs it) and the MIMO model
+    # that Megatron's get_megatron_optimizer imports to ask whether the model is one
+    "megatron_pp_ext.integration.install",
+    "megatron.core.models.mimo.model.base",
 ]
 _CONTEXTS: dict[str, Any] = {}
 

@@ -2,8 +2,9 @@
 any rank: work that every rank of a Megatron-LM loop run would otherwise repeat, done once and
 inherited by the forked ranks. Nothing here changes what a run computes.
 
-- The modules a rank imports after the fork (the plugin's install path, Megatron's loop and
-  its dataset builder): ~0.3 s of CPU per rank otherwise.
+- The modules a rank imports after the fork (the plugin's install path, Megatron's loop, its
+  dataset builder and tokenizer, the MIMO model its optimizer factory asks about): ~0.6 s of
+  CPU per rank otherwise.
 - Megatron-LM's argument parser reads each config dataclass's field docstrings for the help
   text by parsing the class's source (``ArgumentGroupFactory._get_field_docstrings``:
   ``inspect.getsource`` + ``ast.parse``, ~0.25 s of CPU per ``parse_args``, and a loop run
@@ -24,6 +25,9 @@ from megatron.training import argument_utils, arguments
 
 for _module in ("megatron.core.datasets.blended_megatron_dataset_builder",
                 "megatron.core.datasets.gpt_dataset", "megatron.training.training",
+                # imported when called: the tokenizer's models (build_tokenizer) and MIMO's,
+                # which get_megatron_optimizer imports to ask whether the model is one
+                "megatron.core.tokenizers.text.models", "megatron.core.models.mimo.model.base",
                 "megatron_pp_ext.integration.forward_backward",
                 "megatron_pp_ext.integration.install", "megatron_pp_ext.integration.megatron_args"):
     importlib.import_module(_module)
