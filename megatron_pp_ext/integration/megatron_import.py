@@ -8,7 +8,9 @@ never calls those functions (``models.tiny_gpt`` turns every fusion off), and co
 on the CPU would need a C++ compiler. So where there is no GPU, ``torch.compile`` compiles
 nothing while these modules import (the fusions stay plain functions, and ``jit_fuser`` stays
 the pass-through for Megatron's later imports), and is restored right after. With a GPU
-nothing changes.
+nothing changes. (A training rank still needs TorchDynamo: torch.optim imports it when the
+first optimizer is built. The ``train`` server preloads it once, after Megatron, for all its
+ranks; the commands that only read arguments never load it.)
 
 Who calls it: the ``train`` ranks' process server (it preloads ``train.preload``, which
 does), a rank started on its own (srun: ``train.loop`` imports ``train.preload``), and the
