@@ -2,9 +2,9 @@
 any rank: work that every rank of a Megatron-LM loop run would otherwise repeat, done once and
 inherited by the forked ranks. Nothing here changes what a run computes.
 
-- The modules a rank imports after the fork (the plugin's install path, Megatron's loop, its
-  dataset builder and tokenizer, the MIMO model its optimizer factory asks about): ~0.6 s of
-  CPU per rank otherwise.
+- The modules a rank imports after the fork (Megatron's loop, its dataset builder and
+  tokenizer, the plugin's argument handling; the drop-in and the MIMO model come with
+  ``train.processes._PRELOAD``): ~0.6 s of CPU per rank otherwise.
 - Megatron-LM's argument parser reads each config dataclass's field docstrings for the help
   text by parsing the class's source (``ArgumentGroupFactory._get_field_docstrings``:
   ``inspect.getsource`` + ``ast.parse``, ~0.25 s of CPU per ``parse_args``, and a loop run
@@ -23,13 +23,12 @@ import importlib
 
 from megatron.training import argument_utils, arguments
 
+# (beside train.processes._PRELOAD, which this server imports first: the drop-in, MIMO's model)
 for _module in ("megatron.core.datasets.blended_megatron_dataset_builder",
                 "megatron.core.datasets.gpt_dataset", "megatron.training.training",
-                # imported when called: the tokenizer's models (build_tokenizer) and MIMO's,
-                # which get_megatron_optimizer imports to ask whether the model is one
-                "megatron.core.tokenizers.text.models", "megatron.core.models.mimo.model.base",
-                "megatron_pp_ext.integration.forward_backward",
-                "megatron_pp_ext.integration.install", "megatron_pp_ext.integration.megatron_args"):
+                # imported when called: the tokenizer's models (build_tokenizer)
+                "megatron.core.tokenizers.text.models",
+                "megatron_pp_ext.integration.megatron_args"):
     importlib.import_module(_module)
 
 _read_docstrings = argument_utils.ArgumentGroupFactory._get_field_docstrings
