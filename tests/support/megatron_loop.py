@@ -319,14 +319,40 @@ def with_global_init(provider, fill: bool = True):
     return build
 
 
+#: the longest document of the tests' mock corpus (Megatron's: 4096 tokens)
+MOCK_MAX_DOCUMENT_TOKENS = 64
+
+
+@functools.cache
+def _short_document_mock_dataset():
+    """Megatron's MockGPTDataset over 100000 documents of at most
+    ``MOCK_MAX_DOCUMENT_TOKENS`` tokens. Megatron's own corpus (up to 4096 tokens a document)
+    holds 12.7M samples of 16 tokens, and every new run configuration builds a shuffle index
+    over all of them (~1.9 s of CPU on rank 0, measured with py-spy; the suite has dozens of
+    configurations) to read the few hundred samples a test trains on. Every test run and its
+    reference use this one, in every process (forked, spawned, under SLURM)."""
+    from megatron.core.datasets.gpt_dataset import MockGPTDataset, MockGPTLowLevelDataset
+
+    class ShortDocumentMockGPTLowLevelDataset(MockGPTLowLevelDataset):
+        max_sequence_length = MOCK_MAX_DOCUMENT_TOKENS
+
+    class ShortDocumentMockGPTDataset(MockGPTDataset):
+        @staticmethod
+        def build_low_level_dataset(dataset_path, config):
+            return ShortDocumentMockGPTLowLevelDataset(config.tokenizer)
+
+    return ShortDocumentMockGPTDataset
+
+
 def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None):
-    """Megatron's MockGPTDataset through BlendedMegatronDatasetBuilder, as pretrain_gpt.py
-    builds it with --mock-data; built on every rank and chunk (each chunk reads its own copy of
-    every microbatch, whatever stage it holds)."""
+    """Megatron's MockGPTDataset (with short documents: ``_short_document_mock_dataset``)
+    through BlendedMegatronDatasetBuilder, as pretrain_gpt.py builds it with --mock-data; built
+    on every rank and chunk (each chunk reads its own copy of every microbatch, whatever stage
+    it holds)."""
     from megatron.core.datasets.blended_megatron_dataset_builder import (
         BlendedMegatronDatasetBuilder,
     )
-    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, MockGPTDataset
+    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
     from megatron.training import get_args, get_tokenizer
 
     args = get_args()
@@ -342,12 +368,11 @@ def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None
         create_attention_mask=True,
         mid_level_dataset_surplus=0.005,
         # Megatron's --data-cache-path: rank 0 saves the mock corpus's indices, the others and
-        # later runs of the same configuration load them (building the shuffle index of the
-        # 12.7M-sample corpus costs ~0.6 s of CPU a rank). None (outside the tests): no cache.
+        # later runs of the same configuration load them. None (outside the tests): no cache.
         path_to_cache=os.environ.get(MOCK_CACHE_ENV),
     )
     return BlendedMegatronDatasetBuilder(
-        MockGPTDataset, train_val_test_num_samples, lambda: True, config
+        _short_document_mock_dataset(), train_val_test_num_samples, lambda: True, config
     ).build()
 
 
