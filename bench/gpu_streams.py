@@ -57,8 +57,7 @@ class CudaStreamFabric(NcclRulesFabric):
                 ready = torch.cuda.Event()
                 ready.record(stream)
             send.ready = recv.ready = ready
-            send.done = recv.done = True
-            self.lock.notify_all()
+            self._complete(send, recv)
 
     def wait_batch(self, batch, timeout_s: float) -> None:  # the rank's host thread
         super().wait_batch(batch, timeout_s)

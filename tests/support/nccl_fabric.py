@@ -78,7 +78,10 @@ class NcclRulesFabric:
     def __init__(self, world_size: int, device=None):
         self.world_size = world_size
         self.device = torch.device(device) if device is not None else torch.device("cpu")
-        self.lock = threading.Condition()
+        # one lock; each rank's stream waits on a condition of its own, so that a post or a
+        # match wakes only the streams it concerns (not every stream at every op)
+        self.lock = threading.Lock()
+        self.wake = [threading.Condition(self.lock) for _ in range(world_size)]
         self.abort = threading.Event()
         self.queues = [collections.deque() for _ in range(world_size)]  # posted, not started
         # per ordered pair (src, dst): running sends / receives not yet matched, in order
@@ -99,14 +102,15 @@ class NcclRulesFabric:
     def close(self) -> None:
         self.abort.set()
         with self.lock:
-            self.lock.notify_all()
+            for wake in self.wake:
+                wake.notify_all()
 
     # ------------------------------------------------------------------ host side
     def post(self, batch: _Batch) -> None:
         with self.lock:
             self.posted[batch.rank].append([(op.kind, op.peer) for op in batch.ops])
             self.queues[batch.rank].append(batch)
-            self.lock.notify_all()
+            self.wake[batch.rank].notify()
 
     def wait_batch(self, batch: _Batch, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -117,10 +121,11 @@ class NcclRulesFabric:
     # ------------------------------------------------------------------ the streams
     def _stream(self, rank: int) -> None:
         """Run the rank's batches one after another; each finishes when all its ops have."""
+        wake = self.wake[rank]
         with self.lock:
             while not self.abort.is_set():
                 if not self.queues[rank]:
-                    self.lock.wait(0.05)
+                    wake.wait(0.05)
                     continue
                 batch = self.queues[rank].popleft()
                 for op in batch.ops:  # the batch is running: its ops can now be matched
@@ -128,7 +133,7 @@ class NcclRulesFabric:
                     (self.sends if op.kind == "send" else self.recvs)[pair].append(op)
                     self._match(pair)
                 while not all(op.done for op in batch.ops) and not self.abort.is_set():
-                    self.lock.wait(0.05)
+                    wake.wait(0.05)
                 if self.abort.is_set():
                     return
                 self.batches_run[rank] += 1
@@ -139,8 +144,13 @@ class NcclRulesFabric:
         while sends and recvs:
             send, recv = sends.popleft(), recvs.popleft()
             recv.received = send.tensor.detach().clone()  # the wire's copy
-            send.done = recv.done = True
-            self.lock.notify_all()
+            self._complete(send, recv)
+
+    def _complete(self, send: _Op, recv: _Op) -> None:
+        """A matched pair has moved (under the lock): wake the two streams it concerns."""
+        send.done = recv.done = True
+        self.wake[send.batch.rank].notify()
+        self.wake[recv.batch.rank].notify()
 
 
 class NcclRulesTransport:
