@@ -107,7 +107,7 @@ def test_ranks_receive_in_the_senders_order():
 
 def test_dualpipev_pairs_run_in_one_call_when_the_model_offers_it():
     schedule = build_schedule("dualpipev", 4, 8)
-    results = run_inmemory(schedule, pairs=True)
+    results = run_inmemory(schedule, pairs=True, memory=True)
     pairs = [work.pairs for _, work in results]
     # DualPipe's posting: every F followed by a B or I of the other chunk is a pair, on every
     # rank (the middle ranks' B's gradients are received before the pair, in an earlier round)
@@ -117,7 +117,7 @@ def test_dualpipev_pairs_run_in_one_call_when_the_model_offers_it():
                         "1F7+6B3", "6F5+1B1", "6F6+1B2", "6F7+1B3"]
     assert [len(p) for p in pairs] == [8, 8, 8, 8]
     assert [result.overlapped_pairs for result, _ in results] == [8, 8, 8, 8]
-    alone = run_inmemory(schedule)
+    alone = run_inmemory(schedule, memory=True)
     assert all(r.overlapped_pairs == 0 for r, _ in alone)  # not offered
     # a pair holds no more than its two halves one after the other: DualPipeV's peak of 2p + 1
     # chunk-activations (the simulator's), and no more bytes (here fewer: fewer early arrivals)

@@ -181,7 +181,8 @@ def test_lockstep_rounds_are_a_unit_cost_run():
 
 
 # ------------------------------------------------------------------ running on NCCL's rules
-def _run_as_lowered(schedule, where: str, delays=None, pairs=False, variable_shapes=False):
+def _run_as_lowered(schedule, where: str, delays=None, pairs=False, variable_shapes=False,
+                    memory=False):
     """One step over the NCCL-rules fabric: executed actions = the lists, every rank's posted
     batches = the lowered program's (``nccl_program``: the posting the executor picks; with
     ``pairs`` for stages that compute DualPipe's F&B pairs in one call), gradients = pp=1."""
@@ -189,7 +190,7 @@ def _run_as_lowered(schedule, where: str, delays=None, pairs=False, variable_sha
     program = nccl_choice(schedule, variable_shapes, overlapped_pairs=pairs).program
     results = run_inmemory(schedule, delays=delays, nccl_rules=True, timeout_s=20, fabric=fabric,
                            program=program if not variable_shapes else None, pairs=pairs,
-                           variable_shapes=variable_shapes)
+                           variable_shapes=variable_shapes, memory=memory)
     for rank, (result, work) in enumerate(results):
         assert [str(a) for a in result.executed] == [str(a) for a in schedule.actions[rank]]
         assert work.computed == [str(a) for a in schedule.actions[rank]]
@@ -231,9 +232,10 @@ def test_the_schedules_built_for_costs_and_memory_run_on_the_nccl_rules_fabric(n
             options = dict(t_f=share, t_i=share, t_w=share, t_comm=0.3,
                            memory_budget=max(1, p - 1)) if name == "zb-auto" else {}
             schedule = build_schedule(name, p, m, chunks, **options)
-            results = _run_as_lowered(schedule, f"{name} p={p} m={m} v={chunks}")
+            results = _run_as_lowered(schedule, f"{name} p={p} m={m} v={chunks}", memory=True)
             predicted = simulate(schedule).peak_activations
             assert [r.peak_activations for r, _ in results] == predicted, (name, p, m)
+            assert all(r.peak_bytes > 0 for r, _ in results), (name, p, m)  # measured too
             source = schedule.options.get("synthesized_from", "")
             synthesized += source.startswith(("list scheduler", "V block"))
     if name == "zb-auto":  # its own orders, not only the fixed builders'

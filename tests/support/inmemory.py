@@ -53,13 +53,16 @@ class PairingWork(RecordingWork):
 
 def run_inmemory(schedule, delays=None, costs: EmulatedCosts | None = None, timeout_s=20.0,
                  trace=False, nccl_rules=False, variable_shapes=False, timers=None,
-                 fabric: NcclRulesFabric | None = None, program=None, pairs=False):
+                 fabric: NcclRulesFabric | None = None, program=None, pairs=False,
+                 memory: bool = False):
     """Returns per rank: (StepResult, RecordingWork). ``nccl_rules``: over the fabric that
     enforces NCCL's rules (support.nccl_fabric; pass ``fabric`` to read what was posted),
     posting as the executor does on NCCL. ``timers``: one Megatron ``Timers`` per rank (a
     process has its own; threads must not share one). ``program``: the one every rank runs,
     when the caller has it (else the one ``executor.program_for`` would pick). ``pairs``: the
-    stages compute DualPipe's F&B pairs in one call (``PairingWork``)."""
+    stages compute DualPipe's F&B pairs in one call (``PairingWork``). ``memory``: measure
+    activation bytes (``StepResult.peak_bytes``; off by default, as in the package: the
+    autograd walk after every F costs a quarter of such a run's CPU)."""
     work_class = PairingWork if pairs else RecordingWork
     weights = stage_weights(schedule.num_stages, WIDTH)
     inputs = microbatch_inputs(schedule.num_microbatches, ROWS, WIDTH)
@@ -78,7 +81,7 @@ def run_inmemory(schedule, delays=None, costs: EmulatedCosts | None = None, time
         executor = Executor(schedule, rank, transport, work, recv_shape=(ROWS, WIDTH),
                             dtype=torch.float64, device=torch.device("cpu"),
                             timeout_s=timeout_s, trace=trace, variable_shapes=variable_shapes,
-                            timers=timers[rank] if timers else None, memory=True,
+                            timers=timers[rank] if timers else None, memory=memory,
                             program=program)
         return executor.run(), work
 
