@@ -2,6 +2,8 @@
 into the plugin's p, m, v, dp and layout, checked, and its activation memory estimated from the
 model's dimensions (Korthikanti et al. 2022, Table 2)."""
 
+import contextlib
+import io
 import re
 import subprocess
 import sys
@@ -164,23 +166,23 @@ def test_a_schedule_file_is_planned_as_it_is_written(tmp_path):
                       schedule=str(path), world_size=GPUS)
 
 
-def cli(*args):
-    return cli_all(list(args))[0]
+def cli(*args) -> subprocess.CompletedProcess:
+    """The command in a fresh interpreter, as a user runs it."""
+    return subprocess.run([sys.executable, "-m", "megatron_pp_ext", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
 
 
-def cli_all(*commands):
-    """Several CLI commands side by side (each mostly imports Megatron's parser on one core),
-    their results in order."""
-    procs = [subprocess.Popen([sys.executable, "-m", "megatron_pp_ext", *args], cwd=ROOT,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for args in commands]
-    try:
-        outputs = [proc.communicate(timeout=300) for proc in procs]
-    finally:
-        for proc in procs:
-            proc.kill()
-    return [subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-            for proc, (out, err) in zip(procs, outputs)]
+def cli_in_process(*args) -> subprocess.CompletedProcess:
+    """The command's ``main`` in this process (Megatron's parser is imported here already: a
+    fresh interpreter costs ~6 s of CPU for it); what a fresh process prints (no Megatron
+    warnings) is test_cli_plan_prints_the_plan_and_writes_the_timeline's."""
+    from megatron_pp_ext.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(args))
+    return subprocess.CompletedProcess(["megatron_pp_ext", *args], code, out.getvalue(),
+                                       err.getvalue())
 
 
 def test_cli_plan_prints_the_plan_and_writes_the_timeline(tmp_path):
@@ -206,12 +208,12 @@ def test_cli_plan_prints_the_plan_and_writes_the_timeline(tmp_path):
 
 
 def test_cli_plan_with_costs_in_seconds_and_errors():
-    result, bad = cli_all(
-        ["plan", "--schedule", "1f1b", "--t-f", "0.01", "--t-b", "0.02", "--", "torchrun",
-         "--nproc-per-node", "8", "pretrain_gpt.py",
-         *replaced(PRETRAIN_ARGS, "--num-virtual-stages-per-pipeline-rank", None)],
-        ["plan", "--schedule", "zb-v", "--world-size", "64", "--",
-         *replaced(PRETRAIN_ARGS, "--num-layers", "30")])
+    result = cli_in_process(
+        "plan", "--schedule", "1f1b", "--t-f", "0.01", "--t-b", "0.02", "--", "torchrun",
+        "--nproc-per-node", "8", "pretrain_gpt.py",
+        *replaced(PRETRAIN_ARGS, "--num-virtual-stages-per-pipeline-rank", None))
+    bad = cli_in_process("plan", "--schedule", "zb-v", "--world-size", "64", "--",
+                         *replaced(PRETRAIN_ARGS, "--num-layers", "30"))
     assert result.returncode == 0, result.stderr
     # m = 512 / (2 x 1) = 256 on 8 GPUs (dp 1): 1F1B's step is (m + p - 1) x 30 ms
     assert "predicted step: 7770 ms" in result.stdout
