@@ -328,8 +328,8 @@ def _short_document_mock_dataset():
     """Megatron's MockGPTDataset over 100000 documents of at most
     ``MOCK_MAX_DOCUMENT_TOKENS`` tokens. Megatron's own corpus (up to 4096 tokens a document)
     holds 12.7M samples of 16 tokens, and every new run configuration builds a shuffle index
-    over all of them (~1.9 s of CPU on rank 0, measured with py-spy; the suite has dozens of
-    configurations) to read the few hundred samples a test trains on. Every test run and its
+    over all of them (~1.9 s of CPU on rank 0, measured with py-spy) to read the few hundred
+    samples a test trains on. Every test run and its
     reference use this one, in every process (forked, spawned, under SLURM)."""
     from megatron.core.datasets.gpt_dataset import MockGPTDataset, MockGPTLowLevelDataset
 
