@@ -12,6 +12,7 @@ def pytest_configure(config):
         "markers",
         "megatron_cpu: multi-process gloo test that trains the tiny Megatron-Core GPT on the CPU",
     )
+    _share_runs_across_workers(config)
     if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
         return  # pytest-xdist's controller: its workers run the tests (and import torch)
     # The ranks of the tests' Megatron-LM loop runs import megatron.training (~0.5 s each) and
@@ -30,19 +31,34 @@ def pytest_configure(config):
     config.add_cleanup(lambda: shutil.rmtree(cache, ignore_errors=True))
 
 
-#: test modules by their total time, most first (measured with -n 2 on 2 cores, 2026-12-02): the
-#: suite's xdist workers take whole modules in collection order (--dist loadscope
-#: --no-loadscope-reorder; xdist's default reorder is by number of tests), so the long
-#: ones go out first and the last minute is made of short modules that both workers share
+def _share_runs_across_workers(config) -> None:
+    """One folder a session for ``support.shared_runs``: made by the process that configures
+    first (pytest-xdist's controller, whose workers inherit its environment, or the only
+    process) and removed by it at the end."""
+    from support.shared_runs import SHARED_RUNS_ENV
+
+    if os.environ.get(SHARED_RUNS_ENV):
+        return  # a worker: the controller's folder
+    folder = tempfile.mkdtemp(prefix="megatron-pp-shared-runs-")
+    os.environ[SHARED_RUNS_ENV] = folder
+    config.add_cleanup(lambda: shutil.rmtree(folder, ignore_errors=True))
+    config.add_cleanup(lambda: os.environ.pop(SHARED_RUNS_ENV, None))
+
+
+#: test modules by their total time, most first (measured with -n 2 on 2 cores, 2026-12-02
+#: 23:00): the suite's xdist workers take whole modules in collection order (--dist loadscope
+#: --no-loadscope-reorder; xdist's default reorder is by number of tests), so the long ones go
+#: out first (and test_pretrain_loop's runs are there for the later modules that share them:
+#: support.shared_runs) and the last minute is made of short modules that both workers share
 #: (rather than one worker finishing a 60 s module while the other waits); a module's fixtures
 #: are built once, on its worker. Others keep their order.
 LONGEST_FIRST = (
-    "test_slurm", "test_post_validation", "test_nccl_rules", "test_pretrain_loop",
-    "test_train_cli", "test_memory_train", "test_pipedream_train",
-    "test_megatron_cpu_reference", "test_nccl_rules_gloo", "test_plan", "test_wgrad_layers",
-    "test_lowering_pass", "test_executor_inmemory", "test_failures", "test_runtime_megatron",
-    "test_checkpoint_resume", "test_model_costs", "test_fuzz", "test_layout",
-    "test_html_browser", "test_validate", "test_install", "test_render_cli", "test_gpu_check",
+    "test_slurm", "test_nccl_rules", "test_train_cli", "test_pretrain_loop",
+    "test_post_validation", "test_nccl_rules_gloo", "test_memory_train",
+    "test_megatron_cpu_reference", "test_moe", "test_failures", "test_checkpoint_resume",
+    "test_lowering_pass", "test_wgrad_layers", "test_pipedream_train", "test_model_costs",
+    "test_runtime_megatron", "test_fuzz", "test_executor_inmemory", "test_plan", "test_install",
+    "test_html_browser", "test_validate", "test_render_cli", "test_gpu_check", "test_layout",
     "test_auto",
 )
 
@@ -56,19 +72,19 @@ def pytest_collection_modifyitems(config, items):
 def megatron_reference():
     """``get(**run_step_kwargs)``: the pp=1 result of Megatron's ``forward_backward_no_pipelining``
     on the full tiny GPT ({"losses", "grads"} by global parameter name), computed once per
-    distinct keyword set in the session. Compare other runs with
+    distinct keyword set in the session (on any worker). Compare other runs with
     ``support.reference.assert_same``."""
     from megatron_pp_ext.train.processes import spawn
     from support.reference import merge_results, run_step
+    from support.shared_runs import computed_once
 
     cache = {}
 
     def get(**kwargs):
         key = tuple(sorted((k, repr(v)) for k, v in kwargs.items()))
-        if key not in cache:
-            cache[key] = merge_results(
-                spawn(1, run_step, "no_pipelining", pp=1, timeout_s=120, **kwargs)
-            )
+        if key not in cache:  # and once a session across workers (support.shared_runs)
+            cache[key] = computed_once(("no_pipelining", key), lambda: merge_results(
+                spawn(1, run_step, "no_pipelining", pp=1, timeout_s=120, **kwargs)))
         return cache[key]
 
     return get

@@ -26,7 +26,12 @@ import json
 import pytest
 
 from megatron_pp_ext.train.processes import SpawnError, spawn
-from support.megatron_loop import merge_history, pretrain_argv, run_pretrain
+from support.megatron_loop import (
+    merge_history,
+    pretrain_argv,
+    run_pretrain,
+    run_pretrain_shared,
+)
 
 ITERS = 5
 SAVE_INTERVAL = 2
@@ -44,8 +49,7 @@ def _argv(schedule, extra=()):
 @pytest.fixture(scope="module")
 def uninterrupted():
     """Megatron's own 1F1B, 5 iterations, no checkpoint."""
-    return merge_history(spawn(4, run_pretrain, _argv(None), global_init=False,
-                               timeout_s=TIMEOUT))
+    return merge_history(run_pretrain_shared(4, _argv(None), TIMEOUT, global_init=False))
 
 
 def _steps(results):

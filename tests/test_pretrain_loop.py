@@ -3,7 +3,8 @@ the CPU (gloo, 4 processes: data parallel 2 beside pipeline parallel 2), 5 itera
 flags people train with (--bf16 --use-distributed-optimizer --clip-grad 1.0
 --overlap-grad-reduce): Megatron's own schedule against every ``--pipeline-schedule``.
 
-One launch per configuration (``support.megatron_loop.run_pretrain``: our GPT model provider,
+One launch per configuration a session (``support.megatron_loop.run_pretrain_shared``: the
+resume tests and the SLURM test read the same runs; ``run_pretrain``: our GPT model provider,
 a MockGPTDataset provider, the CPU patches the loop needs), each with the weights as Megatron
 initialises them (no test-side filling), so a comparison holds what a user would see:
 
@@ -33,12 +34,11 @@ import math
 
 import pytest
 
-from megatron_pp_ext.train.processes import spawn
 from support.megatron_loop import (
     assert_v_trains_as,
     merge_history,
     pretrain_argv,
-    run_pretrain,
+    run_pretrain_shared,
 )
 
 ITERS = 5  # the fewest the issue allows
@@ -51,7 +51,7 @@ LAYOUT = "--pipeline-model-parallel-layout"
 MEGATRON_1F1B = "forward_backward_pipelining_without_interleaving"
 MEGATRON_INTERLEAVED = "forward_backward_pipelining_with_interleaving"
 
-_RUNS: dict = {}  # one launch per configuration, shared by the tests of this module
+_RUNS: dict = {}  # the merged history per configuration, for the tests of this module
 
 
 def _pretrain(schedule=None, vp=None, overlap=True, tied=False, extra=()):
@@ -62,8 +62,7 @@ def _pretrain(schedule=None, vp=None, overlap=True, tied=False, extra=()):
             argv.remove(OVERLAP)
         if tied:
             argv.remove(UNTIE)
-        _RUNS[key] = merge_history(spawn(4, run_pretrain, argv, global_init=False,
-                                         timeout_s=TIMEOUT))
+        _RUNS[key] = merge_history(run_pretrain_shared(4, argv, TIMEOUT, global_init=False))
     return _RUNS[key]
 
 

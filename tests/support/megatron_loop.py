@@ -45,6 +45,7 @@ __all__ = [
     "pretrain_argv",
     "run_pretrain",
     "run_pretrain_of_rank",
+    "run_pretrain_shared",
     "merge_history",
     "assert_v_trains_as",
     "apply_cpu_patches",
@@ -531,6 +532,25 @@ def _count_all_to_all() -> None:
 
     counted.counted = True
     dist.all_to_all_single = counted
+
+
+def run_pretrain_shared(world_size: int, argv: Sequence[str], timeout_s: float,
+                        **kwargs) -> list[dict[str, Any]]:
+    """``spawn(world_size, run_pretrain, argv, timeout_s=timeout_s, **kwargs)``'s per-rank
+    results, launched once a session for each distinct ``world_size``, ``argv`` and
+    ``kwargs`` (``support.shared_runs``: another module, on another worker, that trains the
+    same run reads these). Not for runs that save, load, kill or record: their files are
+    theirs."""
+    from megatron_pp_ext.train.processes import spawn
+
+    from support.shared_runs import computed_once
+
+    if {"kill_at_iteration", "record_to"} & set(kwargs) or {"--save", "--load"} & set(argv):
+        raise ValueError(f"run_pretrain_shared shares returned results only, not a run's "
+                         f"files or its death: {list(argv)} {kwargs}; call spawn instead")
+    key = ("run_pretrain", world_size, tuple(argv), tuple(sorted(kwargs.items())))
+    return computed_once(key, lambda: spawn(world_size, run_pretrain, argv,
+                                            timeout_s=timeout_s, **kwargs))
 
 
 def run_pretrain_of_rank(rank: int, world_size: int, argvs: Sequence[Sequence[str]],
