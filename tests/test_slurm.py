@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from support.train_cli import P_OVER_M_HINT, assert_no_megatron_warnings
+
 REPO = Path(__file__).resolve().parents[1]
 SLURM_DIR = REPO / "scripts" / "slurm"
 CPU_JOB = SLURM_DIR / "train_cpu.sbatch"
@@ -227,8 +229,9 @@ def _nodes() -> list[str]:
 
 
 #: one task a node across two nodes (2 fresh ranks, each importing torch and Megatron: the
-#: slow part of a job here); the node-lost test puts 2 tasks on each node
-CPU_RUN = dict(SCHEDULE="1f1b", PP="2", M="4", STEPS="2")
+#: slow part of a job here); the node-lost test puts 2 tasks on each node. m=1 < p: train's
+#: hint, printed once by rank 0 of the two srun tasks (the node-lost test runs m=32)
+CPU_RUN = dict(SCHEDULE="1f1b", PP="2", M="1", STEPS="2")
 
 
 @pytest.fixture(scope="module")
@@ -244,10 +247,10 @@ def one_node_job(tmp_path_factory):
 def test_train_cpu_job(one_node_job):
     """The CPU job's default command, ``python -m megatron_pp_ext train``, under SLURM."""
     text, summary = one_node_job
-    assert "schedule=1f1b pp=2 microbatches=4 steps=2" in text
-    assert "-m megatron_pp_ext train --schedule 1f1b --pp 2 --microbatches 4 --steps 2" in text
+    assert "schedule=1f1b pp=2 microbatches=1 steps=2" in text
+    assert "-m megatron_pp_ext train --schedule 1f1b --pp 2 --microbatches 1 --steps 2" in text
     assert "train_cpu: exit 0" in text
-    assert (summary["schedule"], summary["pp"], summary["microbatches"]) == ("1f1b", 2, 4)
+    assert (summary["schedule"], summary["pp"], summary["microbatches"]) == ("1f1b", 2, 1)
     assert summary["launcher"] == "local"  # one task: train started the ranks on the node
     assert len(summary["losses"]) == 2
     printed = re.findall(r"^step (\d)/2  loss +(\d+\.\d{4}) ", text, re.M)
@@ -266,8 +269,10 @@ def _two_nodes() -> list[str]:
 def test_train_cpu_job_across_two_nodes(tmp_path, one_node_job):
     """``sbatch --nodes=2``: 2 srun tasks, 1 a node, so ranks 0 and 1 (pipeline neighbours) are
     on different hosts (on the local cluster: network namespaces with their own addresses);
-    torch's rendezvous on the first node, gloo across: the same losses as on one node. (Two
-    tasks a node: the node-lost test, and Megatron-LM's loop across two nodes.)"""
+    torch's rendezvous on the first node, gloo across: the same losses as on one node. Each
+    task imports Megatron itself: its warnings stay out of the job's output, and p=2 > m=1 is
+    hinted once, by rank 0. (Two tasks a node: the node-lost test, and Megatron-LM's loop
+    across two nodes.)"""
     nodes = _two_nodes()
     out = tmp_path / "out"
     status, text = _sbatch(tmp_path, CPU_JOB, dict(CPU_RUN, OUT=str(out)),
@@ -276,8 +281,11 @@ def test_train_cpu_job_across_two_nodes(tmp_path, one_node_job):
     placed = re.findall(r"^rank (\d) on node (\S+)$", text, re.M)
     assert placed == [("0", nodes[0]), ("1", nodes[1])], text
     summary = json.loads((out / "summary.json").read_text())
-    assert (summary["launcher"], summary["pp"]) == ("srun", 2)
+    assert (summary["launcher"], summary["pp"], summary["microbatches"]) == ("srun", 2, 1)
     assert summary["losses"] == one_node_job[1]["losses"]
+    assert "gloo via srun" in text
+    assert [line for line in text.splitlines() if line.startswith("hint:")] == [P_OVER_M_HINT]
+    assert_no_megatron_warnings(text)
 
 
 def test_a_failing_job_reports_its_exit_status(tmp_path):
@@ -437,7 +445,12 @@ def test_megatron_loop_zb_v_across_two_nodes_killed_and_resumed(tmp_path):
     ran), runs iterations 2..4 with that run's losses and grad norms too. The checkpoint also
     loads into Megatron's own 1F1B (the loop layout), weights only."""
     from megatron_pp_ext.train.processes import spawn
-    from support.megatron_loop import merge_history, pretrain_argv, run_pretrain
+    from support.megatron_loop import (
+        merge_history,
+        pretrain_argv,
+        run_pretrain,
+        run_pretrain_shared,
+    )
 
     nodes = _two_nodes()
     checkpoints = tmp_path / "ck"
@@ -450,7 +463,7 @@ def test_megatron_loop_zb_v_across_two_nodes_killed_and_resumed(tmp_path):
     assert placed == [("0", nodes[0]), ("1", nodes[0]), ("2", nodes[1]), ("3", nodes[1])], text
     assert (checkpoints / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
 
-    one_node = merge_history(spawn(4, run_pretrain, argv, global_init=False, timeout_s=300))
+    one_node = merge_history(run_pretrain_shared(4, argv, 300, global_init=False))
     assert one_node["schedule"] == "ScheduleFunction('zb-v')"
     resumed = merge_history(spawn(4, run_pretrain, argv + ["--load", str(checkpoints)],
                                   global_init=False, timeout_s=300))

@@ -18,7 +18,13 @@ from megatron_pp_ext.schedules import build_schedule
 from megatron_pp_ext.train.launcher import detect, slurm_master_port
 from megatron_pp_ext.train.progress import Progress, format_step
 from megatron_pp_ext.train.settings import TrainSettings
-from support.train_cli import LAUNCHER_ENV, run_train, run_train_all
+from support.train_cli import (
+    LAUNCHER_ENV,
+    P_OVER_M_HINT,
+    assert_no_megatron_warnings,
+    run_train,
+    run_train_all,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 PEER_CSV = REPO / "tests" / "data" / "torch_zb1p_2rank_2stagep_compute.csv"  # p=2, m=8, v=2
@@ -27,7 +33,7 @@ PEER_CSV = REPO / "tests" / "data" / "torch_zb1p_2rank_2stagep_compute.csv"  # p
 
 def _check_run(out: Path, proc, schedule: str, chunks: int, steps: int) -> dict:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    _assert_no_megatron_warnings(proc)
+    assert_no_megatron_warnings(proc.stdout + proc.stderr)
     summary = json.loads((out / "summary.json").read_text())
     assert (summary["schedule"], summary["pp"], summary["chunks"]) == (schedule, 2, chunks)
     losses = summary["losses"]
@@ -49,15 +55,6 @@ def _check_run(out: Path, proc, schedule: str, chunks: int, steps: int) -> dict:
     spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
     assert spans and {e["tid"] for e in spans} == {0, 1}
     return summary
-
-
-def _assert_no_megatron_warnings(proc) -> None:
-    """Megatron-Core's warnings (apex / Transformer Engine missing, deprecations: Python
-    warnings and its logger) never reach train's output."""
-    text = proc.stdout + proc.stderr
-    for words in ("UserWarning", "FutureWarning", "warnings.warn", "site-packages/megatron/",
-                  "Apex is not installed", "deprecated"):
-        assert words not in text, (words, text[-3000:])
 
 
 def test_train_1f1b_and_zb_v(tmp_path):
@@ -128,25 +125,18 @@ def _launched_env(extra: dict) -> dict:
 
 
 def _start_under(launcher: str, out: Path, *args: str) -> list[subprocess.Popen]:
-    """``train`` started as the local launcher (one command that starts its ranks), torchrun
-    (``--standalone``: a free port) or a two-task srun step (the variables srun sets, as two
-    processes, each one rank) would start it."""
+    """``train`` started as the local launcher (one command that starts its ranks) or torchrun
+    (``--standalone``: a free port) would start it. (srun: a real two-task step,
+    test_slurm.py's two-node job.)"""
     command = [sys.executable, "-m", "megatron_pp_ext", "train", *args, "--out", str(out)]
     pipes = dict(cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     if launcher == "local":  # the same command, saying at its end whether it imported torch
         return [subprocess.Popen([sys.executable, "-c", _SAYS_TORCH, *command[3:]],
                                  env=_launched_env({}), **pipes)]
-    if launcher == "torchrun":
-        return [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                  "--nproc-per-node", "2", *command[1:]],
-                                 env=_launched_env({}), **pipes)]
-    from megatron_pp_ext.train.processes import free_port
-
-    port = str(free_port())
-    return [subprocess.Popen(command, env=_launched_env(dict(
-        SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_NTASKS="2",
-        SLURM_STEP_NUM_TASKS="2", SLURM_STEP_ID="0", SLURM_JOB_ID="1", SLURM_NNODES="1",
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=port)), **pipes) for rank in range(2)]
+    assert launcher == "torchrun", launcher
+    return [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                              "--nproc-per-node", "2", *command[1:]],
+                             env=_launched_env({}), **pipes)]
 
 
 _SAYS_TORCH = (
@@ -173,22 +163,22 @@ def _finish(procs: list[subprocess.Popen]) -> subprocess.CompletedProcess:
 
 def test_every_launcher_hints_p_over_m_once_and_keeps_megatron_warnings_out(tmp_path):
     """p > m is allowed (every schedule runs it) but rarely meant: one hint line on stderr
-    (from rank 0), and the run goes on; under torchrun and srun each rank is a process that
-    imports Megatron itself, and its warnings, which do fire on this machine
-    (test_megatron_warnings_fire_and_are_hidden), stay out of the output. The three launches
-    run side by side. The local launcher's command process imports no torch."""
-    launchers = ("local", "torchrun", "srun")
+    (from rank 0), and the run goes on; under torchrun each rank is a process that imports
+    Megatron itself, and its warnings, which do fire on this machine
+    (test_megatron_warnings_fire_and_are_hidden), stay out of the output. The two launches run
+    side by side. The local launcher's command process imports no torch. (Under srun: the
+    real two-task step of test_slurm.py's two-node job, at p=2, m=1, checks the same.)"""
+    launchers = ("local", "torchrun")
     started = {name: _start_under(name, tmp_path / name, "-p", "2", "-m", "1", "--steps", "1")
                for name in launchers}
     finished = {}
     for launcher in launchers:
         proc = finished[launcher] = _finish(started[launcher])
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        _assert_no_megatron_warnings(proc)
+        assert_no_megatron_warnings(proc.stdout + proc.stderr)
         assert f"gloo via {launcher}" in proc.stdout and "step 1/1" in proc.stdout
         hints = [line for line in proc.stderr.splitlines() if line.startswith("hint:")]
-        assert hints == ["hint: p=2 > m=1: most ranks idle most of the step; use m >= p "
-                         "(Megatron needs m >= p for interleaved)"], (launcher, proc.stderr)
+        assert hints == [P_OVER_M_HINT], (launcher, proc.stderr)
         summary = json.loads((tmp_path / launcher / "summary.json").read_text())
         assert (summary["launcher"], summary["microbatches"]) == (launcher, 1)
     # the local launcher's own process starts the ranks and never imports torch (~5 s of CPU

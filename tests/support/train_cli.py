@@ -13,6 +13,19 @@ LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_STEP_
                 "PYTHONWARNINGS")
 
 
+#: the hint ``train`` prints once (rank 0) when p > m, here for p=2, m=1
+P_OVER_M_HINT = ("hint: p=2 > m=1: most ranks idle most of the step; use m >= p "
+                 "(Megatron needs m >= p for interleaved)")
+
+
+def assert_no_megatron_warnings(text: str) -> None:
+    """Megatron-Core's warnings (apex / Transformer Engine missing, deprecations: Python
+    warnings and its logger) never reach train's output."""
+    for words in ("UserWarning", "FutureWarning", "warnings.warn", "site-packages/megatron/",
+                  "Apex is not installed", "deprecated"):
+        assert words not in text, (words, text[-3000:])
+
+
 def clean_env() -> dict:
     return {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
 
