@@ -46,15 +46,17 @@ def _share_runs_across_workers(config) -> None:
 
 
 #: test modules by their total time, most first (measured with -n 2 on 2 cores, 2026-12-02
-#: 23:00): the suite's xdist workers take whole modules in collection order (--dist loadscope
+#: 23:00), except that the CPU-heavy multi-process ones come right after test_slurm, whose
+#: worker mostly waits on SLURM (single-process modules that sleep beside it left a core idle):
+#: the suite's xdist workers take whole modules in collection order (--dist loadscope
 #: --no-loadscope-reorder; xdist's default reorder is by number of tests), so the long ones go
 #: out first (and test_pretrain_loop's runs are there for the later modules that share them:
 #: support.shared_runs) and the last minute is made of short modules that both workers share
 #: (rather than one worker finishing a 60 s module while the other waits); a module's fixtures
 #: are built once, on its worker. Others keep their order.
 LONGEST_FIRST = (
-    "test_slurm", "test_nccl_rules", "test_train_cli", "test_pretrain_loop",
-    "test_post_validation", "test_nccl_rules_gloo", "test_memory_train",
+    "test_slurm", "test_pretrain_loop", "test_post_validation", "test_nccl_rules",
+    "test_train_cli", "test_nccl_rules_gloo", "test_memory_train",
     "test_megatron_cpu_reference", "test_moe", "test_failures", "test_checkpoint_resume",
     "test_lowering_pass", "test_wgrad_layers", "test_pipedream_train", "test_model_costs",
     "test_runtime_megatron", "test_fuzz", "test_executor_inmemory", "test_plan", "test_install",
