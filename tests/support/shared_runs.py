@@ -25,10 +25,15 @@ T = TypeVar("T")
 def computed_once(key: tuple, compute: Callable[[], T]) -> T:
     """``compute()``'s result for ``key`` (a tuple whose ``repr`` names every input that
     decides the result), computed at most once a session where the folder is set."""
+    named = repr(key)
+    if " at 0x" in named:  # another process may hold another object at that address
+        raise ValueError(f"computed_once: the key {named[:300]} names an object by its memory "
+                         "address, which does not identify it across workers; key by the "
+                         "values that decide the result (numbers, strings, tuples)")
     folder = os.environ.get(SHARED_RUNS_ENV)
     if not folder:
         return compute()
-    path = Path(folder) / f"{hashlib.sha256(repr(key).encode()).hexdigest()}.pickle"
+    path = Path(folder) / f"{hashlib.sha256(named.encode()).hexdigest()}.pickle"
     if path.exists():
         return pickle.loads(path.read_bytes())
     result = compute()
