@@ -8,11 +8,15 @@ microbatches 0..m-1, as pp=1 does), so losses and gradients agree bit for bit. A
 a real difference (wrong stage placement, swapped messages, a different loss scaling).
 """
 
+import gc
+import weakref
+
 import pytest
 import torch
 
 from megatron_pp_ext.integration.forward_backward import ScheduleFunction
 from megatron_pp_ext.models import tiny_gpt
+from megatron_pp_ext.train import processes
 from megatron_pp_ext.train.processes import SpawnError, spawn
 from support.reference import assert_same, merge_results, run_step, run_steps
 
@@ -96,13 +100,32 @@ def _shim_roundtrip(rank, world_size):
 
 
 @pytest.mark.megatron_cpu
-def test_spawn_returns_errors_and_timeouts():
-    assert spawn(2, _shim_roundtrip, timeout_s=TIMEOUT) == [True, True]
-    with pytest.raises(SpawnError, match="(?s)rank 1 of 2 raised.*boom from rank 1") as err:
-        spawn(2, _raise_on_rank1, timeout_s=TIMEOUT)
-    assert err.value.rank == 1
-    with pytest.raises(SpawnError, match="timed out"):
-        spawn(2, _sleep, timeout_s=2)
+def test_spawn_returns_errors_and_timeouts(monkeypatch):
+    queues = []  # each spawn's result queue, weakly
+    context_class = type(processes._context("forkserver"))
+    make_queue = context_class.Queue
+
+    def recorded_queue(self, *args, **kwargs):
+        queue = make_queue(self, *args, **kwargs)
+        queues.append(weakref.ref(queue))
+        return queue
+
+    monkeypatch.setattr(context_class, "Queue", recorded_queue)
+    gc.disable()
+    try:
+        with pytest.raises(SpawnError, match="(?s)rank 1 of 2 raised.*boom from rank 1") as err:
+            spawn(2, _raise_on_rank1, timeout_s=TIMEOUT)
+        assert err.value.rank == 1
+        with pytest.raises(SpawnError, match="timed out"):
+            spawn(2, _sleep, timeout_s=2)
+        assert spawn(2, _shim_roundtrip, timeout_s=TIMEOUT) == [True, True]
+        # The failed spawns' queues (and their semaphores) went with their processes, which
+        # the last spawn's start released; the errors, kept here with their tracebacks, do not
+        # hold them for a later garbage collection, which CPython 3.12 may run inside
+        # multiprocessing's resource tracker ("called reentrantly ... might leak" warnings)
+        assert len(queues) == 3 and [q() is None for q in queues[:2]] == [True, True]
+    finally:
+        gc.enable()
 
 
 # ------------------------------------------------------------------ Megatron's schedules

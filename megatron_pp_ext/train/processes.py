@@ -310,6 +310,11 @@ def spawn(
         results.close()
         store.close()  # after the ranks: they rendezvoused and left notes there
     if error is not None:
+        # The error's traceback keeps this frame, and a caller that keeps the error (pytest)
+        # makes a cycle: without these names the queue's semaphores are freed now, not by a
+        # later garbage collection that may run inside multiprocessing's resource tracker
+        # (CPython 3.12 then warns "ResourceTracker called reentrantly": python/cpython#131788)
+        del procs, results, store
         raise error
     return [outputs[r] for r in range(world_size)]
 
