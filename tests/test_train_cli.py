@@ -19,9 +19,9 @@ from megatron_pp_ext.train.launcher import detect, slurm_master_port
 from megatron_pp_ext.train.progress import Progress, format_step
 from megatron_pp_ext.train.settings import TrainSettings
 from support.train_cli import (
-    LAUNCHER_ENV,
     P_OVER_M_HINT,
     assert_no_megatron_warnings,
+    clean_env,
     run_train,
     run_train_all,
 )
@@ -118,25 +118,18 @@ def test_bad_input_exits_2_with_one_line_before_spawning(args, words):
     assert proc.stdout == ""  # nothing started: no process spawned, no step printed
 
 
-def _launched_env(extra: dict) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
-    env.update(OMP_NUM_THREADS="1", **extra)
-    return env
-
-
 def _start_under(launcher: str, out: Path, *args: str) -> list[subprocess.Popen]:
     """``train`` started as the local launcher (one command that starts its ranks) or torchrun
     (``--standalone``: a free port) would start it. (srun: a real two-task step,
     test_slurm.py's two-node job.)"""
     command = [sys.executable, "-m", "megatron_pp_ext", "train", *args, "--out", str(out)]
-    pipes = dict(cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    pipes = dict(cwd=REPO, env=dict(clean_env(), OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
+                 stderr=subprocess.PIPE, text=True)
     if launcher == "local":  # the same command, saying at its end whether it imported torch
-        return [subprocess.Popen([sys.executable, "-c", _SAYS_TORCH, *command[3:]],
-                                 env=_launched_env({}), **pipes)]
+        return [subprocess.Popen([sys.executable, "-c", _SAYS_TORCH, *command[3:]], **pipes)]
     assert launcher == "torchrun", launcher
     return [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                              "--nproc-per-node", "2", *command[1:]],
-                             env=_launched_env({}), **pipes)]
+                              "--nproc-per-node", "2", *command[1:]], **pipes)]
 
 
 _SAYS_TORCH = (
@@ -206,7 +199,7 @@ def test_megatron_warnings_fire_and_are_hidden():
     warns at WARNING (a rampup_batch_size deprecation): without the hiding both reach stderr;
     with it neither does, while a warning from the plugin's own modules still shows, and a
     PYTHONWARNINGS of the user's own turns the hiding off."""
-    environ = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
+    environ = clean_env()
     procs = [subprocess.Popen([sys.executable, "-c", _WARN_AND_LOG, mode], cwd=REPO,
                               env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True) for mode in ("show", "hide")]  # side by side
