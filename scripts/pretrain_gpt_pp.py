@@ -1,8 +1,8 @@
 """Megatron-LM's pretrain_gpt.py with a megatron-pp-ext pipeline schedule, without patching it.
 
-Put an unmodified Megatron-LM checkout (branch core_r0.19.0) on PYTHONPATH and use this script
-where you would use pretrain_gpt.py; every pretrain_gpt.py argument works, plus the group
-"pipeline schedule (megatron-pp-ext)":
+Put an unmodified Megatron-LM checkout (a release branch core_r0.17.0, core_r0.18.0,
+core_r0.19.0, or main) on PYTHONPATH and use this script where you would use pretrain_gpt.py;
+every pretrain_gpt.py argument works, plus the group "pipeline schedule (megatron-pp-ext)":
 
     export PYTHONPATH=/path/to/Megatron-LM:$PYTHONPATH    # and megatron_pp_ext installed
     torchrun --nproc-per-node 8 scripts/pretrain_gpt_pp.py <pretrain_gpt.py args> \\
@@ -32,9 +32,11 @@ ZBVZeroBubble, DualPipeV, ...).
 
 Instead of --pipeline-schedule you may set MEGATRON_PP_SCHEDULE=<name> in the environment (the
 flag wins). With neither, Megatron's own schedule runs, exactly as with pretrain_gpt.py.
-It reuses pretrain_gpt.py's dataset provider, forward_step and embedding ranks, and calls
-pretrain() the way pretrain_gpt.py's __main__ block does; the schedule is installed right after
-the arguments are validated, on every rank. (patches/pretrain_gpt_core_r0.19.0.patch does the
+It reuses pretrain_gpt.py's dataset provider, forward_step, model provider (0.17, 0.18) and
+embedding ranks, and calls pretrain() the way that release's pretrain_gpt.py __main__ block
+does (megatron_pp_ext.integration.pretrain_entry); the schedule is installed right after the
+arguments are validated, on every rank (0.17, whose pretrain() parses them: at the model
+provider's first call). (patches/pretrain_gpt_core_r0.19.0.patch does the
 same inside pretrain_gpt.py.)
 """
 
@@ -49,59 +51,54 @@ def main():
     except ImportError as error:
         raise SystemExit(
             f"cannot import Megatron-LM's pretrain_gpt ({error}): put a Megatron-LM checkout "
-            "(branch core_r0.19.0) on PYTHONPATH"
+            "(a release branch core_r0.17.0 to core_r0.19.0, or main) on PYTHONPATH"
         ) from error
-    from megatron.core.enums import ModelType
-    from megatron.training import inprocess_restart, pretrain, set_startup_timestamps
-    from megatron.training.argument_utils import (
-        gpt_config_from_args,
-        pretrain_cfg_container_from_args,
-    )
-    from megatron.training.arguments import parse_and_validate_args
+    from functools import partial
 
+    from megatron.training import inprocess_restart, pretrain, set_startup_timestamps
+
+    from megatron_pp_ext import megatron_compat
     from megatron_pp_ext.integration.megatron_args import (
         adapt_pretrain_gpt_for_v_layout,
-        add_pipeline_schedule_args,
-        chain_args_providers,
-        install_from_args,
-        pretrain_model_for_args,
         uses_v_layout,
     )
+    from megatron_pp_ext.integration.pretrain_entry import run_pretrain
 
+    megatron_compat.check_supported()
     set_startup_timestamps(
         program_start=getattr(gpt, "_PROGRAM_START_TIME", _MAIN_ENTRY_TIME),
         main_entry=_MAIN_ENTRY_TIME,
     )
     setattr(gpt.train_valid_test_datasets_provider, "is_distributed", True)
-    run_pretrain, store = inprocess_restart.maybe_wrap_for_inprocess_restart(pretrain)
+    run_pretrain_fn, store = inprocess_restart.maybe_wrap_for_inprocess_restart(pretrain)
+    modelopt = getattr(gpt, "has_nvidia_modelopt", False)
 
-    modelopt = gpt.has_nvidia_modelopt
-    args = parse_and_validate_args(
-        extra_args_provider=chain_args_providers(
-            gpt.add_modelopt_args if modelopt else None, add_pipeline_schedule_args
-        ),
-        args_defaults={"tokenizer_type": "GPT2BPETokenizer"},
-    )
-    install_from_args(args)  # --pipeline-schedule / $MEGATRON_PP_SCHEDULE, else a no-op
-    if modelopt:
-        gpt.maybe_enable_modelopt(args)
-    if modelopt and getattr(args, "modelopt_enabled", False):
-        model_cfg = gpt_config_from_args(args, model_config_cls=gpt.ModelOptModelConfig)
-    else:
-        model_cfg = gpt_config_from_args(args)
-    # zb-v / dualpipev: a provider that builds V-layout chunks from the same GPT config, and
-    # get_batch / the dataset provider asked which chunks read data in the V layout
-    if uses_v_layout(args):
-        adapt_pretrain_gpt_for_v_layout(gpt)
-    cfg_container, model_provider = pretrain_model_for_args(
-        pretrain_cfg_container_from_args(args, model_cfg), args
-    )
+    def on_args(args):  # after the schedule is installed, before the model is built
+        if modelopt and hasattr(gpt, "maybe_enable_modelopt"):  # 0.19+
+            gpt.maybe_enable_modelopt(args)
+        # zb-v / dualpipev: get_batch / the dataset provider asked which chunks read data in
+        # the V layout
+        if uses_v_layout(args):
+            adapt_pretrain_gpt_for_v_layout(gpt)
+
+    def model_config(args):  # 0.19+: the GPT config pretrain() builds the model from
+        if modelopt and getattr(args, "modelopt_enabled", False):
+            return megatron_compat.gpt_model_config(
+                args, model_config_cls=gpt.ModelOptModelConfig)
+        return megatron_compat.gpt_model_config(args)
+
+    # 0.17 / 0.18: pretrain() takes pretrain_gpt.py's model provider (the V layout wraps it)
+    loop_provider = (partial(gpt.model_provider, gpt.gpt_builder)
+                     if hasattr(gpt, "model_provider") and hasattr(gpt, "gpt_builder") else None)
     run_pretrain(
-        cfg_container,
         gpt.train_valid_test_datasets_provider,
-        ModelType.encoder_or_decoder,
         gpt.forward_step,
-        model_provider=model_provider,
+        model_provider=loop_provider,
+        extra_args_provider=gpt.add_modelopt_args if modelopt else None,
+        args_defaults={"tokenizer_type": "GPT2BPETokenizer"},
+        on_args=on_args,
+        model_config=model_config,
+        pretrain=run_pretrain_fn,
         store=store,
         get_embedding_ranks=gpt.get_embedding_ranks,
     )

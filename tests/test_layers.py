@@ -17,7 +17,7 @@ LAYERS = {
     "ir": 0, "timeline": 0, "program": 0, "units": 0,
     "schedules": 1,
     "analysis": 2,
-    "runtime": 3, "device": 3,
+    "runtime": 3, "device": 3, "megatron_compat": 3,
     "integration": 4,
     "models": 5, "train": 5, "commands": 5, "cli": 5, "__main__": 5, "run": 5,
 }

@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 import torch
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel.schedules import (
-    _build_default_pg_collection,
     clear_embedding_activation_buffer,
     finish_embedding_wgrad_compute,
     get_tensor_shapes,
@@ -32,6 +31,7 @@ from megatron.core.pipeline_parallel.schedules import (
 from megatron.core.utils import get_model_config
 
 from .. import device as device_helper
+from .. import megatron_compat
 from ..analysis.lowering import runtime_program
 from ..analysis.program_steps import compile_steps
 from ..ir import Schedule, ScheduleError
@@ -391,7 +391,8 @@ def run_step(
     outputs of the loss function (``[]`` on the other ranks), as Megatron does."""
     models = model if isinstance(model, list) else [model]
     config = get_model_config(models[0])
-    pg_collection = _build_default_pg_collection() if pg_collection is None else pg_collection
+    pg_collection = (megatron_compat.default_pg_collection() if pg_collection is None
+                     else pg_collection)
     pp_group = p2p_communicator.pp_group if p2p_communicator is not None else pg_collection.pp
     tp_group, cp_group = pg_collection.tp, pg_collection.cp
     p = check_pipeline_size(pp_group, p2p_communicator, pg_collection, config)

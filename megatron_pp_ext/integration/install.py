@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import sys
 
+from .. import megatron_compat
 from .forward_backward import RunState, ScheduleFunction
 from .options import ENV_SCHEDULE, PipelineOptions
 from .post_validation import post_validated
@@ -161,6 +162,7 @@ def install(schedule: str | None = None, **options) -> Installation:
     (zb-v). Installing again switches the active installation to the new options (a change
     starts afresh) and returns it."""
     global _current
+    megatron_compat.check_supported()  # outside the window: say which releases, patch nothing
     active = PipelineOptions.from_kwargs(schedule, **options)  # bad input: nothing patched
     if _current is not None:
         _current.function.set_options(active)

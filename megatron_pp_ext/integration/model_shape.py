@@ -1,7 +1,7 @@
 """A GPT's dimensions as Megatron-LM derives them from its arguments (``validate_args`` is not
 run: it asks the GPU and the job's environment): the FFN size (4h, or 2/3 of it rounded down
 to 64 with SwiGLU), the query groups (GQA), the vocabulary padded as Megatron pads it
-(``megatron.training.vocab_utils.calculate_padded_vocab_size``), MoE layers and experts,
+(``megatron_compat.padded_vocab_size``), MoE layers and experts,
 MTP layers, and the parallel sizes that split a layer (tp, sequence parallel, cp, ep, etp)."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from .. import megatron_compat
 from .pretrain_args import required_arg
 
 
@@ -76,8 +77,6 @@ class ModelShape:
 
 def model_shape(args: Any) -> ModelShape:
     """The dimensions of the GPT ``args`` describe (Megatron's parser's namespace)."""
-    from megatron.training.vocab_utils import calculate_padded_vocab_size
-
     h = required_arg(args, "hidden_size", "--hidden-size")
     a = required_arg(args, "num_attention_heads", "--num-attention-heads")
     layers = required_arg(args, "num_layers", "--num-layers")
@@ -90,8 +89,8 @@ def model_shape(args: Any) -> ModelShape:
               and getattr(args, "num_query_groups", None) else a)
     vocab, vocab_note = _vocab(args)
     if vocab and not getattr(args, "padded_vocab_size", None):
-        vocab = calculate_padded_vocab_size(int(vocab), int(args.make_vocab_size_divisible_by),
-                                            tp, logging_enabled=False)
+        vocab = megatron_compat.padded_vocab_size(
+            int(vocab), int(args.make_vocab_size_divisible_by), tp)
     experts = int(getattr(args, "num_experts", None) or 0)
     return ModelShape(
         num_layers=layers, hidden=h, heads=a, query_groups=groups,

@@ -71,6 +71,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 from .. import device as device_helper
+from .. import megatron_compat
 
 
 HISTORY = 1024  # StepOutcome's kept per optimizer
@@ -172,12 +173,7 @@ def _leaf_of(optimizer):
 
 
 def _check_supported(leaf) -> None:
-    from megatron.core.optimizer.optimizer import (
-        FP32Optimizer,
-        MixedPrecisionOptimizer,
-        _get_param_grad_norm_group,
-        _is_separate_grad_norm_group,
-    )
+    from megatron.core.optimizer.optimizer import FP32Optimizer, MixedPrecisionOptimizer
 
     if not isinstance(leaf, (FP32Optimizer, MixedPrecisionOptimizer)):
         raise ValueError(f"post-validation wraps Megatron's FP32Optimizer, Float16Optimizer or "
@@ -189,8 +185,7 @@ def _check_supported(leaf) -> None:
     ddp_config = getattr(leaf, "ddp_config", None)
     if ddp_config is not None and getattr(ddp_config, "use_megatron_fsdp", False):
         raise ValueError("post-validation does not support Megatron-FSDP")
-    if any(_is_separate_grad_norm_group(_get_param_grad_norm_group(p))
-           for p in leaf.get_parameters()):
+    if any(megatron_compat.has_separate_grad_norm_group(p) for p in leaf.get_parameters()):
         raise ValueError("post-validation does not support separate grad-norm groups")
 
 
@@ -326,24 +321,23 @@ class PostValidatedOptimizer:
             self._wrapped.grad_norms_by_group = {}
         scaler = getattr(leaf, "grad_scaler", None)
         # 1. local: main grads, unscale + inf check, local squared norm; async reductions
-        if hasattr(leaf, "_copy_model_grads_to_main_grads"):
-            if not stub:
-                leaf._copy_model_grads_to_main_grads()
-        else:  # FP32Optimizer: local only (param.grad = param.main_grad)
-            leaf.prepare_grads()
+        if not megatron_compat.copies_model_grads(leaf):
+            leaf.prepare_grads()  # FP32Optimizer: local only (param.grad = param.main_grad)
+        elif not stub:
+            megatron_compat.copy_model_grads_to_main_grads(leaf)
         inf_work = None
         if scaler is not None:
             leaf.found_inf.fill_(0.0)
             if not stub:
                 torch._amp_foreach_non_finite_check_and_unscale_(
-                    leaf._collect_main_grad_data_for_unscaling(), leaf.found_inf,
+                    megatron_compat.main_grad_data_for_unscaling(leaf), leaf.found_inf,
                     scaler.inv_scale)
             inf_work = dist.all_reduce(leaf.found_inf, op=dist.ReduceOp.MAX, group=group,
                                        async_op=True)
         need_norm = self._chained or config.clip_grad > 0.0
         norm_total, norm_work = None, None
         if need_norm:
-            grads = leaf.get_grads_for_grad_norm() if leaf.get_parameters() else []
+            grads = megatron_compat.grads_for_grad_norm(leaf) if leaf.get_parameters() else []
             norm_total = _local_norm_squared(grads, _device(leaf))
             norm_work = dist.all_reduce(norm_total, op=dist.ReduceOp.SUM, group=group,
                                         async_op=True)

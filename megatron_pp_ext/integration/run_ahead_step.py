@@ -36,6 +36,7 @@ from typing import Any, Optional
 
 import torch
 
+from .. import megatron_compat
 from .post_validation import StepOutcome, post_validated
 
 REPORTS_KEPT = 1000
@@ -158,7 +159,7 @@ class LocalMaxStat:
     def __call__(self, stat, group=None):
         if self.local and stat is not None:
             return _as_train_step_reports(stat)
-        return self.original(stat, group=group)
+        return megatron_compat.call_max_stat(self.original, stat, group)
 
 
 class RunAheadTrainStep:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import importlib
 import random
 from typing import Any
 from ..schedules import (
@@ -35,6 +34,7 @@ from ..schedules import (
     schedule_layout,
 )
 from .. import device as device_helper
+from .. import megatron_compat
 from .model_chunks import model_chunks
 
 def uses_v_layout(args: Any) -> bool:
@@ -146,7 +146,7 @@ def _pipeline_rank_as(rank: int):
     override, ``set_pipeline_model_parallel_rank``), and the previous override after."""
     from megatron.core import parallel_state
 
-    before = getattr(parallel_state, "_MPU_PIPELINE_MODEL_PARALLEL_RANK", None)
+    before = megatron_compat.pipeline_rank_override()
     parallel_state.set_pipeline_model_parallel_rank(rank)
     try:
         yield
@@ -154,38 +154,23 @@ def _pipeline_rank_as(rank: int):
         parallel_state.set_pipeline_model_parallel_rank(before)
 
 
-class _RankOf:
-    """A stand-in group for Megatron's ``_set_random_seed(pp_group=...)``, which reads only
-    ``group.rank()``."""
-
-    def __init__(self, rank: int):
-        self._rank = rank
-
-    def rank(self) -> int:
-        return self._rank
-
-
 @contextlib.contextmanager
 def _seeded_as_pipeline_rank(rank: int):
     """Inside: every generator seeded as Megatron seeds pipeline rank ``rank`` at start-up
-    (``megatron.training.initialize._set_random_seed`` with the run's arguments). After: every
-    generator as it was before (Python, NumPy, torch's CPU and CUDA defaults, the CUDA RNG
-    tracker's named states)."""
+    (Megatron-LM's ``_set_random_seed`` with the run's arguments, through
+    ``megatron_compat.set_random_seed_as_pipeline_rank``). After: every generator as it was
+    before (Python, NumPy, torch's CPU and CUDA defaults, the CUDA RNG tracker's named
+    states)."""
     import numpy as np
     import torch
     from megatron.core import tensor_parallel
     from megatron.training import get_args
-    from megatron.training.initialize import _set_random_seed
 
-    args = get_args()
     tracker = tensor_parallel.get_cuda_rng_tracker()
     saved = (random.getstate(), np.random.get_state(), torch.get_rng_state(),
              device_helper.cuda_rng_state(), tracker.get_states())
     try:
-        _set_random_seed(args.seed, args.data_parallel_random_init, args.te_rng_tracker,
-                         args.inference_rng_tracker,
-                         use_cudagraphable_rng=getattr(args, "enable_cuda_graph", False),
-                         pp_group=_RankOf(rank))
+        megatron_compat.set_random_seed_as_pipeline_rank(get_args(), rank, _pipeline_rank_as)
         yield
     finally:
         random.setstate(saved[0])
@@ -276,10 +261,8 @@ def _patch_once() -> None:
         return
     from megatron.training import training
 
-    # the module, not the function the package exports under the same name
-    finalize_module = importlib.import_module("megatron.core.distributed.finalize_model_grads")
-
-    original = finalize_module._allreduce_word_embedding_grads
+    finalize_module = megatron_compat.finalize_grads_module()
+    original = getattr(finalize_module, megatron_compat.WORD_EMBEDDING_GRADS)
 
     @functools.wraps(original)
     def allreduce_word_embedding_grads(model, config, *args, **kwargs):
@@ -292,7 +275,7 @@ def _patch_once() -> None:
 
     for owner, attribute, replacement in (
             (training, "Float16Module", _v_layout_float16_module_class()),
-            (finalize_module, "_allreduce_word_embedding_grads",
+            (finalize_module, megatron_compat.WORD_EMBEDDING_GRADS,
              allreduce_word_embedding_grads)):
         _PATCHED.append((owner, attribute, getattr(owner, attribute)))
         setattr(owner, attribute, replacement)
@@ -394,10 +377,11 @@ def adapt_pretrain_gpt_for_v_layout(pretrain_gpt_module) -> None:
     if getattr(original, "v_layout", False):
         return
 
+    whole = megatron_compat.whole_batch_kwargs(original)  # rank 0 needs tokens *and* labels
+
     @functools.wraps(original)
     def get_batch_on_this_tp_rank(batch, *args, **kwargs):
-        kwargs["pipeline_model_parallel_size"] = 1  # rank 0 needs tokens *and* labels
-        return original(batch, *args, **kwargs)
+        return original(batch, *args, **{**kwargs, **whole})
 
     get_batch_on_this_tp_rank.v_layout = True
     pretrain_gpt_module.get_batch_on_this_tp_rank = get_batch_on_this_tp_rank

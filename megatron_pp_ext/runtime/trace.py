@@ -42,6 +42,7 @@ from ..analysis.measured import (  # the statistics of what this module gathers
     step_metrics,
     summary_text,
 )
+from .. import megatron_compat
 from ..ir import Schedule
 from ..timeline import COMM_WAIT, Event, Timeline
 from ..analysis.render import render_chrome_trace
@@ -168,7 +169,7 @@ def megatron_writers() -> tuple[object | None, object | None, int | None]:
     try:
         writer = global_vars.get_tensorboard_writer()
         wandb_writer = global_vars.get_wandb_writer()
-        args = getattr(global_vars, "_GLOBAL_ARGS", None)
+        args = megatron_compat.loaded_global_args()
         iteration = getattr(args, "curr_iteration", None) if args is not None else None
     except Exception:  # noqa: BLE001 - an uninitialized or changed megatron.training
         return None, None, None

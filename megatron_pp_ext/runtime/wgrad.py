@@ -76,6 +76,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .. import megatron_compat
 from ..ir import Action
 from .memory import unique_bytes
 
@@ -146,11 +147,7 @@ def _deliver(weight: torch.Tensor, grad: torch.Tensor, dummy: bool = False) -> N
 
 def _fused_kernel():
     """apex's ``fused_weight_gradient_mlp_cuda`` as Megatron imported it, or None."""
-    from megatron.core.tensor_parallel import layers
-
-    if not getattr(layers, "_grad_accum_fusion_available", False):
-        return None
-    return getattr(layers, "fused_weight_gradient_mlp_cuda", None)
+    return megatron_compat.grad_accum_fusion_kernel()
 
 
 def accumulate_wgrad_into(main_grad: torch.Tensor, grad_output_2d: torch.Tensor,

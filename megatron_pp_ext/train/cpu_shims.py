@@ -44,6 +44,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from .. import device as device_helper
+from .. import megatron_compat
 
 __all__ = ["apply_cpu_shims", "remove_cpu_shims", "cpu_shims", "shims_active", "needs_cpu_shims"]
 
@@ -140,9 +141,7 @@ def _cpu_tracker_fork(self, name: str | None = None) -> Iterator[None]:
     """CudaRNGStatesTracker.fork on the CPU: run the body on the named CPU RNG state, save the
     advanced state back under that name, and restore the caller's CPU RNG state."""
     if name is None:
-        from megatron.core.tensor_parallel import random as mp_random
-
-        name = mp_random._MODEL_PARALLEL_RNG_TRACKER_NAME
+        name = megatron_compat.model_parallel_rng_tracker_name()
     if name not in self.states_:
         raise Exception("cuda rng state {} is not added".format(name))
     orig_state = torch.get_rng_state()

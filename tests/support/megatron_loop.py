@@ -424,82 +424,71 @@ def run_pretrain(rank: int, world_size: int, argv: Sequence[str],
     written after every step (``history-rank<r>.json``), for a run whose ranks are not this
     process's children (srun) or that is killed."""
     apply_cpu_patches()
-    from megatron.core.enums import ModelType
-    from megatron.training import pretrain, training
-    from megatron.training.argument_utils import (
-        gpt_config_from_args,
-        pretrain_cfg_container_from_args,
-    )
-    from megatron.training.arguments import parse_and_validate_args
+    from megatron.training import training
 
-    from megatron_pp_ext.integration.megatron_args import (
-        add_pipeline_schedule_args,
-        install_from_args,
-        model_provider_from_config,
-        pretrain_model_for_args,
-    )
+    from megatron_pp_ext.integration import pretrain_entry
+    from support.gpt_provider import gpt_model_provider
 
     sys.argv = ["pretrain_gpt.py", *argv]
-    args = parse_and_validate_args(extra_args_provider=add_pipeline_schedule_args)
-    install_from_args(args)
+    # 0.17/0.18's validate_args require NCCL_ALGO under --deterministic-mode (0.19 dropped the
+    # check); gloo reads none of it
+    os.environ.setdefault("NCCL_ALGO", "Ring")
     history: dict[str, Any] = {"lm loss": [], "grad_norm": [], "skipped": [], "iteration": [],
                                "weight_grads": [], "overlapped_pairs": [], "all_to_all": [],
                                "schedule": None,
                                "rank": rank}
     _count_all_to_all()
-    original_train_step = training.train_step  # Megatron's, or --pp-run-ahead's
-
     history["step_end_s"] = []  # when each train_step returned (bench: steady step time)
-
-    def recording_train_step(*args, **kwargs):
-        iteration = kwargs.get("iteration", args[7] if len(args) > 7 else None)
-        if kill_at_iteration is not None and iteration == kill_at_iteration:
-            os.kill(os.getpid(), signal.SIGKILL)
-        calls_before = _ALL_TO_ALL_CALLS[0]
-        out = original_train_step(*args, **kwargs)
-        history["step_end_s"].append(time.perf_counter())
-        loss_dict, skipped, grad_norm = out[0], out[1], out[5]
-        if "lm loss" in loss_dict:
-            history["lm loss"].append(float(loss_dict["lm loss"]))
-        history["grad_norm"].append(None if grad_norm is None else float(grad_norm))
-        history["skipped"].append(int(skipped))
-        history["iteration"].append(iteration)
-        history["all_to_all"].append(_ALL_TO_ALL_CALLS[0] - calls_before)
-        fbf = kwargs.get("forward_backward_func", args[6] if len(args) > 6 else None)
-        history["schedule"] = getattr(fbf, "__qualname__", repr(fbf))
-        state = getattr(fbf, "state", None)  # the plugin's
-        history["weight_grads"].append(getattr(getattr(state, "last_step", None),
-                                               "weight_grads", None))
-        history["overlapped_pairs"].append(getattr(state, "overlapped_pairs", None))
-        if record_to is not None:
-            _record(history, record_to)
-        return out
-
-    training.train_step = recording_train_step  # observation only: records, changes nothing
     history["eval lm loss"] = []
-    original_evaluate = training.evaluate
 
-    def recording_evaluate(*args, **kwargs):  # observation only, as above
-        out = original_evaluate(*args, **kwargs)
-        if out[0] and "lm loss" in out[0]:
-            history["eval lm loss"].append(float(out[0]["lm loss"]))
-        return out
+    def record(_args) -> None:
+        """Wrap train_step and evaluate, once the schedule is installed (pretrain_entry
+        calls this after install_from_args): the train_step is then Megatron's, or
+        --pp-run-ahead's."""
+        original_train_step = training.train_step  # Megatron's, or --pp-run-ahead's
 
-    training.evaluate = recording_evaluate
-    # The model: Megatron's GPT builder from the arguments (the spec pretrain_gpt.py trains),
-    # through pretrain_model_for_args as scripts/pretrain_gpt_pp.py calls it (V layout for
-    # zb-v / dualpipev), as a provider so that with_global_init can fill the weights.
-    cfg, provider = pretrain_model_for_args(
-        pretrain_cfg_container_from_args(args, gpt_config_from_args(args)), args)
-    if provider is None:
-        provider, cfg.model = model_provider_from_config(cfg.model), None
-    pretrain(
-        cfg,
-        train_valid_test_datasets_provider,
-        ModelType.encoder_or_decoder,
-        forward_step,
-        model_provider=with_global_init(provider, fill=global_init),
-    )
+        def recording_train_step(*args, **kwargs):
+            iteration = kwargs.get("iteration", args[7] if len(args) > 7 else None)
+            if kill_at_iteration is not None and iteration == kill_at_iteration:
+                os.kill(os.getpid(), signal.SIGKILL)
+            calls_before = _ALL_TO_ALL_CALLS[0]
+            out = original_train_step(*args, **kwargs)
+            history["step_end_s"].append(time.perf_counter())
+            loss_dict, skipped, grad_norm = out[0], out[1], out[5]
+            if "lm loss" in loss_dict:
+                history["lm loss"].append(float(loss_dict["lm loss"]))
+            history["grad_norm"].append(None if grad_norm is None else float(grad_norm))
+            history["skipped"].append(int(skipped))
+            history["iteration"].append(iteration)
+            history["all_to_all"].append(_ALL_TO_ALL_CALLS[0] - calls_before)
+            fbf = kwargs.get("forward_backward_func", args[6] if len(args) > 6 else None)
+            history["schedule"] = getattr(fbf, "__qualname__", repr(fbf))
+            state = getattr(fbf, "state", None)  # the plugin's
+            history["weight_grads"].append(getattr(getattr(state, "last_step", None),
+                                                   "weight_grads", None))
+            history["overlapped_pairs"].append(getattr(state, "overlapped_pairs", None))
+            if record_to is not None:
+                _record(history, record_to)
+            return out
+
+        training.train_step = recording_train_step  # observation only: records, changes nothing
+        original_evaluate = training.evaluate
+
+        def recording_evaluate(*args, **kwargs):  # observation only, as above
+            out = original_evaluate(*args, **kwargs)
+            if out[0] and "lm loss" in out[0]:
+                history["eval lm loss"].append(float(out[0]["lm loss"]))
+            return out
+
+        training.evaluate = recording_evaluate
+
+    # The model: Megatron's GPT builder from the arguments (the spec pretrain_gpt.py trains;
+    # before 0.19, whose pretrain() takes a provider, support.gpt_provider), through
+    # pretrain_entry as scripts/pretrain_gpt_pp.py calls it (the schedule installed from the
+    # arguments, V layout for zb-v / dualpipev), as a provider that with_global_init wraps.
+    pretrain_entry.run_pretrain(
+        train_valid_test_datasets_provider, forward_step, model_provider=gpt_model_provider,
+        on_args=record, wrap_provider=functools.partial(with_global_init, fill=global_init))
     history["stages"] = dict(STAGES_BUILT)
     from megatron_pp_ext.integration.install import current_installation
 
