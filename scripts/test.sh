@@ -15,6 +15,10 @@
 #    whole module at a time in collection order, which conftest.py makes longest module first,
 #    so a module's shared results are built once; the 15 slowest tests listed), and exits
 #    with pytest's status.
+# 4. then the release matrix: the tests conftest.RELEASE_WINDOW names, on each other release
+#    of the supported window (support.megatron_releases.WINDOW: megatron-core 0.17.x, 0.18.x),
+#    each wheel installed once into .venv/megatron-releases/ and put first on PYTHONPATH;
+#    the exit status is non-zero when any run failed.
 #    Most tests are one process on one core (the executor's threads share the GIL), so two
 #    workers keep both cores busy; the multi-process ones (gloo ranks, the CLI's) take both
 #    cores anyway.
@@ -55,9 +59,25 @@ eval "$(bash "$CLUSTER" env)"  # SLURM_CONF for sbatch/sinfo in the tests
 
 workers=$(nproc 2>/dev/null || echo 2)
 [ "$workers" -le 4 ] || workers=4
-[ $# -gt 0 ] || set -- -q -n "$workers" --dist loadscope --no-loadscope-reorder --durations=15 \
-  tests
+matrix=${MEGATRON_PP_RELEASE_MATRIX:-0}
+[ $# -gt 0 ] || { matrix=1; set -- -q -n "$workers" --dist loadscope --no-loadscope-reorder --durations=15 \
+  tests; }
 rc=0
 .venv/bin/python -m pytest "$@" || rc=$?
 echo "test.sh: pytest exit $rc"
+# The release matrix: the window's tests (conftest.RELEASE_WINDOW) on each other release of
+# the supported window, its wheel installed once into .venv/megatron-releases/ and put first
+# on PYTHONPATH (no second torch). Only with the default arguments (or
+# MEGATRON_PP_RELEASE_MATRIX=1).
+if [ "$matrix" = 1 ]; then
+  for release in $(.venv/bin/python -c 'import sys; sys.path.insert(0, "tests")
+from support.megatron_releases import WINDOW; print(*WINDOW)'); do
+    overlay=$(.venv/bin/python tests/support/megatron_releases.py "$release")
+    echo "test.sh: megatron-core $release (the release matrix: pytest -m release_window)"
+    PYTHONPATH="$overlay${PYTHONPATH:+:$PYTHONPATH}" .venv/bin/python -m pytest -q \
+      -n "$workers" --dist loadscope --no-loadscope-reorder --durations=5 \
+      -m release_window tests || rc=$?
+    echo "test.sh: megatron-core $release: pytest exit $rc"
+  done
+fi
 exit "$rc"

@@ -12,6 +12,9 @@ def pytest_configure(config):
         "markers",
         "megatron_cpu: multi-process gloo test that trains the tiny Megatron-Core GPT on the CPU",
     )
+    config.addinivalue_line(
+        "markers", "release_window: run on every megatron-core release of the supported window "
+        "(conftest.RELEASE_WINDOW; scripts/test.sh)")
     _share_runs_across_workers(config)
     if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
         return  # pytest-xdist's controller: its workers run the tests (and import torch)
@@ -65,9 +68,48 @@ LONGEST_FIRST = (
 )
 
 
+#: what the release matrix runs on the window's other releases (scripts/test.sh: ``pytest -m
+#: release_window`` with that release's wheel first on PYTHONPATH,
+#: support.megatron_releases): (a module, or ``module::test`` and a prefix of its parameters;
+#: the release lines it runs on, None for all). The drop-in against that release's own 1F1B
+#: and interleaved, install/uninstall and the arguments, the compatibility layer, and the
+#: Megatron-LM loop cases: a loop and a V schedule against its 1F1B, MoE with the overlap
+#: flag, post-validation. Megatron's own interleaved schedule gives NaN gradients at the third
+#: step of the tests' loop on 0.17 (docs/megatron-versions.md), so the loop's interleaved
+#: baseline is not run there.
+RELEASE_WINDOW = (
+    ("test_megatron_compat", None),
+    ("test_install", None),
+    ("test_runtime_megatron", None),
+    ("test_megatron_peer_regressions", None),
+    ("test_megatron_args", None),
+    ("test_pretrain_loop::test_megatron_own_schedules_train", ("0.18", "0.19", "0.20")),
+    ("test_pretrain_loop::test_pipeline_schedule_flag_matches_megatron[1f1b]", None),
+    ("test_pretrain_loop::test_pipeline_schedule_flag_matches_megatron[zb-v]", None),
+    ("test_moe::test_zb_v_with_the_flag_runs_every_f_and_i_through_the_plan_bit_identical",
+     None),
+    ("test_post_validation::test_pretrain_flag_bit_identical_to_megatron_step", None),
+)
+
+
+def _in_release_window(item, line: str) -> bool:
+    name = f"{item.path.stem}::{item.name}"
+    for selector, lines in RELEASE_WINDOW:
+        if selector in (name, item.path.stem) and (lines is None or line in lines):
+            return True
+    return False
+
+
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable
+    if config.getoption("-m") and "release_window" in config.getoption("-m"):
+        from megatron_pp_ext.megatron_compat import megatron_core_version
+
+        line = ".".join(megatron_core_version().split(".")[:2])
+        for item in items:
+            if _in_release_window(item, line):
+                item.add_marker(pytest.mark.release_window)
 
 
 @pytest.fixture(scope="session")

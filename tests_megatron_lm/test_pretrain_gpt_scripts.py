@@ -36,11 +36,27 @@ MEGATRON_ARGV = [
 _SCRIPT_HARNESS = r"""
 import json, runpy, sys
 import megatron.training
+from megatron_pp_ext import megatron_compat
 calls = []
-megatron.training.pretrain = lambda *a, **k: calls.append((a, k))  # stop before CUDA/NCCL
+form = megatron_compat.pretrain_form()
+def stop_before_cuda(*a, **k):  # pretrain() needs CUDA/NCCL: record how it was called
+    calls.append((a, k))
+    if form == "args":  # 0.17: pretrain() parses the arguments, get_model calls the provider
+        from megatron.training.arguments import parse_args, validate_args
+        from megatron.training.global_vars import set_global_variables
+        args = parse_args(k.get("extra_args_provider"))
+        validate_args(args, k.get("args_defaults", {}))
+        set_global_variables(args, build_tokenizer=False)
+        try:
+            a[1]()  # its first call installs the schedule; the build needs parallel state
+        except Exception:
+            pass
+megatron.training.pretrain = stop_before_cuda
 sys.argv = [SCRIPT] + json.loads(sys.argv[1])
 runpy.run_path(SCRIPT, run_name="__main__")
-(cfg, datasets, model_type, forward_step), kwargs = calls[0]
+a, kwargs = calls[0]
+datasets, forward_step = {"args": (a[0], a[3]), "provider": (a[1], a[4]),
+                          "config": (a[1], a[3])}[form]
 from megatron.training import get_args
 import megatron.training.training as training
 args = get_args()

@@ -134,10 +134,10 @@ def _cuda_named_type(self, dtype=None, non_blocking=False, **kwargs):
 def _patch_table() -> list[tuple[Any, str, Any, str]]:
     """(owner, attribute, replacement, why): the CPU patches Megatron-LM's loop needs."""
     from megatron.core.datasets import utils as dataset_utils
-    from megatron.core.transformer.moe import token_dispatcher
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
     from megatron.training import initialize, training
 
-    from megatron_pp_ext.train.cpu_shims import NullEvent, NullStream, _on_cpu
+    from megatron_pp_ext.train.cpu_shims import NullEvent, NullStream, _CpuTorchProxy, _on_cpu
 
     init = functools.partial(training.initialize_megatron, allow_no_cuda=True)
     return [
@@ -172,6 +172,9 @@ def _patch_table() -> list[tuple[Any, str, Any, str]]:
         (token_dispatcher, "maybe_move_tensor_to_cpu", _host_copy,
          "the MoE alltoall dispatcher turns its split sizes into host (numpy) arrays only for "
          "CUDA tensors; on the CPU they stay tensors, which all_to_all_single refuses"),
+        (moe_utils, "torch", _CpuTorchProxy(),
+         "0.17's track_moe_metrics (training_log) makes the tracker of a rank without MoE "
+         "layers with torch.zeros(..., device='cuda')"),
         *_checkpoint_patches(),
     ]
 
