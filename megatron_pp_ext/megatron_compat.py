@@ -8,8 +8,10 @@ parameter a function takes), never a version string, and says which releases hav
 package.
 
 The supported window (``SUPPORTED_WINDOW``): megatron-core 0.17.x, 0.18.x, 0.19.x and
-Megatron-LM main (0.20 dev). A feature a release lacks is refused at ``install()`` or argument
-time by :func:`require_feature`, with the feature's name and the first release that has it.
+Megatron-LM main (0.20 dev); :func:`check_supported` refuses any other at ``install()``. No
+feature of the plugin is missing on a release of the window today (docs/megatron-versions.md):
+one that is must be refused there, at ``install()`` or argument time, naming the feature and the
+first release that has it.
 
 Nothing here imports ``megatron.training`` at import time (the drop-in runs with
 ``megatron.core`` alone): the trainer's entries import it when called.
@@ -70,29 +72,10 @@ def check_supported() -> None:
             "`pip install 'megatron-core>=0.17,<0.20'`.")
 
 
-#: features a release may lack: name -> (what it is, the first release that has it, a probe)
 def _has_separate_grad_norm_groups() -> bool:
     from megatron.core.optimizer import optimizer
 
     return hasattr(optimizer, "_is_separate_grad_norm_group")
-
-
-FEATURES: dict[str, tuple[str, str, Callable[[], bool]]] = {}
-
-
-def feature_available(name: str) -> bool:
-    return FEATURES[name][2]()
-
-
-def require_feature(name: str) -> None:
-    """Raise :class:`UnsupportedMegatronError` when the installed Megatron lacks ``name``
-    (a key of :data:`FEATURES`), naming the feature and the first release that has it."""
-    what, first, probe = FEATURES[name]
-    if not probe():
-        raise UnsupportedMegatronError(
-            f"{what} needs megatron-core {first} or newer; this is megatron-core "
-            f"{megatron_core_version()} (supported: {SUPPORTED_WINDOW}). Upgrade Megatron, "
-            "or run without it.")
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,8 +1,9 @@
 """Megatron-LM's own ``pretrain_gpt.py`` with the plugin: ``scripts/pretrain_gpt_pp.py`` and
 ``pretrain_gpt.py`` patched with ``patches/pretrain_gpt_core_r0.19.0.patch``.
 
-These need a checkout of NVIDIA/Megatron-LM, branch ``core_r0.19.0`` (``pretrain_gpt.py`` and
-its builders are not in the megatron-core wheel), so they live outside ``tests/`` and are not
+These need a checkout of NVIDIA/Megatron-LM (``pretrain_gpt.py`` and its builders are not in the
+megatron-core wheel): the script on any branch of the window (core_r0.17.0 to core_r0.19.0,
+main), the patch on ``core_r0.19.0``; ``scripts/check_megatron_tree.sh PATH`` runs them, so they live outside ``tests/`` and are not
 part of ``pytest tests``. Run them with the checkout's path:
 
     MEGATRON_LM_PATH=/path/to/Megatron-LM .venv/bin/python -m pytest -q tests_megatron_lm
@@ -55,8 +56,8 @@ megatron.training.pretrain = stop_before_cuda
 sys.argv = [SCRIPT] + json.loads(sys.argv[1])
 runpy.run_path(SCRIPT, run_name="__main__")
 a, kwargs = calls[0]
-datasets, forward_step = {"args": (a[0], a[3]), "provider": (a[1], a[4]),
-                          "config": (a[1], a[3])}[form]
+datasets, forward_step = {"args": (0, 3), "provider": (1, 4), "config": (1, 3)}[form]
+datasets, forward_step = a[datasets], a[forward_step]
 from megatron.training import get_args
 import megatron.training.training as training
 args = get_args()
