@@ -23,8 +23,11 @@ from typing import Any, Callable, Optional
 
 from .. import megatron_compat
 from .megatron_args import add_pipeline_schedule_args, chain_args_providers, install_from_args
-from .v_layout_models import model_provider_for_args, model_provider_from_config, \
-    pretrain_model_for_args
+from .v_layout_models import (
+    model_provider_for_args,
+    model_provider_from_config,
+    pretrain_model_for_args,
+)
 
 
 def run_pretrain(datasets_provider, forward_step, *, model_provider=None,
@@ -50,6 +53,11 @@ def run_pretrain(datasets_provider, forward_step, *, model_provider=None,
     extra = chain_args_providers(extra_args_provider, add_pipeline_schedule_args)
     form = megatron_compat.pretrain_form()
     model_type = pretrain_kwargs.pop("model_type", ModelType.encoder_or_decoder)
+    if form in ("args", "provider") and model_provider is None:
+        raise ValueError(
+            f"megatron-core {megatron_compat.megatron_core_version()}'s pretrain() takes a "
+            "model provider: pass model_provider= (pretrain_gpt.py's "
+            "partial(model_provider, gpt_builder))")
 
     def prepared(args):
         install_from_args(args)  # --pipeline-schedule / $MEGATRON_PP_SCHEDULE, else a no-op
@@ -58,11 +66,6 @@ def run_pretrain(datasets_provider, forward_step, *, model_provider=None,
         return args
 
     if form == "args":
-        if model_provider is None:
-            raise ValueError(
-                f"megatron-core {megatron_compat.megatron_core_version()}'s pretrain() takes a "
-                "model provider: pass model_provider= (pretrain_gpt.py's "
-                "partial(model_provider, gpt_builder))")
         provider = _installing_provider(model_provider, prepared)
         return pretrain(datasets_provider, _wrapped(provider, wrap_provider), model_type,
                         forward_step, extra_args_provider=extra,
@@ -70,11 +73,6 @@ def run_pretrain(datasets_provider, forward_step, *, model_provider=None,
 
     args = prepared(megatron_compat.parse_and_validate_args(extra, args_defaults))
     if form == "provider":
-        if model_provider is None:
-            raise ValueError(
-                f"megatron-core {megatron_compat.megatron_core_version()}'s pretrain() takes a "
-                "model provider: pass model_provider= (pretrain_gpt.py's "
-                "partial(model_provider, gpt_builder))")
         provider = model_provider_for_args(model_provider, args)
         return pretrain(megatron_compat.pretrain_config_container(args), datasets_provider,
                         _wrapped(provider, wrap_provider), model_type, forward_step,
