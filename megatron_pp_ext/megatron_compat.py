@@ -22,7 +22,6 @@ from __future__ import annotations
 import importlib
 import inspect
 import sys
-from typing import Any, Callable
 
 SUPPORTED_WINDOW = "megatron-core 0.17.x, 0.18.x and 0.19.x, and Megatron-LM main (0.20 dev)"
 
@@ -72,12 +71,6 @@ def check_supported() -> None:
             "`pip install 'megatron-core>=0.17,<0.20'`.")
 
 
-def _has_separate_grad_norm_groups() -> bool:
-    from megatron.core.optimizer import optimizer
-
-    return hasattr(optimizer, "_is_separate_grad_norm_group")
-
-
 # --------------------------------------------------------------------------------------------
 # megatron.core
 # --------------------------------------------------------------------------------------------
@@ -115,7 +108,7 @@ def has_separate_grad_norm_group(param) -> bool:
     0.17/0.18 have no separate groups: always False."""
     from megatron.core.optimizer import optimizer
 
-    if not _has_separate_grad_norm_groups():
+    if not hasattr(optimizer, "_is_separate_grad_norm_group"):
         return False
     return optimizer._is_separate_grad_norm_group(optimizer._get_param_grad_norm_group(param))
 
