@@ -382,6 +382,29 @@ def test_v_layouts_refuse_megatrons_loop_splits_and_point_to_a_layout_string(
     assert "--pipeline-model-parallel-layout" in str(info.value)
 
 
+@pytest.mark.parametrize("name", ["zb-v", "dualpipev"])
+def test_v_layouts_refuse_mtp_layers_off_the_last_stage(monkeypatch, name):
+    """The MTP stage's embedding copy is summed with the first stage's on rank 0 (stages 0
+    and 2p-1): a string with 'm' on another stage is refused before anything runs; the
+    DeepSeek-style string with the MTP layers and the loss alone on the last stage is taken."""
+    import megatron_pp_ext as plugin
+
+    rope = ["--position-embedding-type", "rope", "--mtp-num-layers", "1"]
+    args = _megatron_args(monkeypatch, [
+        "--pipeline-schedule", name, *rope,
+        "--pipeline-model-parallel-layout", "Et|t|t|t|t|t|ttm|L"])
+    with pytest.raises(ValueError, match=r"puts the MTP layers on stage 6: move 'm' to the "
+                                         r"last stage"):
+        install_from_args(args)
+    args = _megatron_args(monkeypatch, [
+        "--pipeline-schedule", name, *rope,
+        "--pipeline-model-parallel-layout", "Et|t|t|t|t|t|tt|mL"])
+    try:
+        assert install_from_args(args) is True
+    finally:
+        plugin.uninstall()
+
+
 def test_v_layouts_take_a_layout_string_of_2p_stages(monkeypatch):
     import megatron_pp_ext as plugin
 

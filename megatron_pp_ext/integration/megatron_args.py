@@ -226,6 +226,26 @@ def _refuse_loop_splits(name: str, args: Any) -> None:
             "of the string is V stage s, e.g. 'Et|tt|tt|tL' at pp 2), or use a loop schedule")
 
 
+def _refuse_mtp_off_the_last_stage(name: str, args: Any, pp: int) -> None:
+    """The MTP stage keeps a copy of the word embedding, summed with the first stage's: the V
+    layout has no embedding group and sums them on rank 0, which holds stages 0 and 2p-1
+    only. (Megatron itself refuses decoder layers after MTP layers.)"""
+    if not getattr(args, "mtp_num_layers", None) or not getattr(
+            args, "pipeline_model_parallel_layout", None):
+        return  # without a string Megatron puts the MTP layers on the last stage
+    from .stage_layers import stage_layers
+
+    stages = stage_layers(args, pp, 2)
+    elsewhere = [s for s, stage in enumerate(stages[:-1]) if stage.mtp]
+    if elsewhere:
+        raise ValueError(
+            f"--pipeline-schedule {name} (V layout) keeps the word embedding's two copies on "
+            f"pipeline rank 0, which holds stages 0 and {2 * pp - 1}, but "
+            f"--pipeline-model-parallel-layout {args.pipeline_model_parallel_layout!r} puts "
+            f"the MTP layers on stage {elsewhere[0]}: move 'm' to the last stage, just "
+            "before 'L', or use a loop schedule")
+
+
 def _batch_of(args: Any) -> tuple[int, int, int, int] | None:
     """(microbatches per step, --global-batch-size, --micro-batch-size, data-parallel size),
     or None when the count is not fixed (not validated yet, or a batch-size ramp-up)."""
@@ -286,6 +306,7 @@ def _chunks_needed(name: str, spec: ScheduleSpec, args: Any, pp: int,
             how = ("add --num-virtual-stages-per-pipeline-rank 2: the V layout puts stages r "
                    "and 2p-1-r on rank r, two chunks per rank")
         _refuse_loop_splits(name, args)
+        _refuse_mtp_off_the_last_stage(name, args, pp)
     elif spec.allowed_chunks(1):
         need, how = 1, _one_chunk_fix(args)
     else:  # several chunks per rank in the loop layout (interleaved)
@@ -423,6 +444,7 @@ def _file_options_from_args(path: str, args: Any) -> dict:
             f"{v} stage(s) on each rank: drop --pp-schedule-chunks")
     if layout == "v":
         _refuse_loop_splits(path, args)
+        _refuse_mtp_off_the_last_stage(path, args, pp)
     built = _model_chunks(args)
     if built != v:
         if layout == "v":

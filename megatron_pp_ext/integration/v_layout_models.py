@@ -10,8 +10,9 @@ Megatron-LM model provider so that ``get_model`` builds those chunks:
 - every parameter starts with the value Megatron's 1F1B gives it (one chunk per rank, rank q
   holding V stages 2q and 2q+1; a layout string merged pairwise), not the values of
   Megatron's per-rank seeding of *this* rank: see :func:`v_layout_model_provider`;
-- tied embeddings share no embedding group: both copies are on rank 0, whose gradients are
-  summed there (:func:`sum_tied_embedding_grads`).
+- tied embeddings and multi-token prediction share no embedding group: the word embedding's
+  two copies (the first stage's, and the tied output layer's or the MTP stage's) are both on
+  rank 0, where their gradients are summed (:func:`sum_tied_embedding_grads`).
 
 Patches, each made once by the first V chunk built and undone by :func:`undo_patches`
 (``megatron_pp_ext.uninstall()`` calls it): ``megatron.training.training.Float16Module``
@@ -66,25 +67,33 @@ def v_layout_model_provider(model_provider, loop_init: bool = True):
 
     ``get_model`` asks for pre/post-processing in Megatron's loop layout; the wrapper replaces
     them with the V layout's. Each V stage s is built at its loop position (pipeline rank
-    ``s % p``, virtual stage ``s // p``: Megatron's pipeline rank reads that rank while it
-    builds), so a ``--pipeline-model-parallel-layout`` string gives each V stage exactly the
-    layers the string gives that stage, and the decoder layers' ``layer_number`` are the
-    stage's global layers (they set the query-key scaling coefficient and checkpoint names).
+    ``s % p``, virtual stage ``s // p``: Megatron's pipeline-rank override and the pipeline
+    group's ``rank()`` both answer that rank while it builds), so a
+    ``--pipeline-model-parallel-layout`` string gives each V stage exactly the layers the
+    string gives that stage, and the decoder layers' ``layer_number`` are the stage's global
+    layers (they place the final layer norm under MTP and set the query-key scaling
+    coefficient and checkpoint names).
 
     ``loop_init`` (default): every parameter starts as Megatron's 1F1B would start it. Megatron
     seeds each pipeline rank with ``seed + 100 * rank`` and draws the parameters in build
     order; under 1F1B rank q holds V stages 2q and 2q+1, so V stage s is built right after
     seeding as rank ``s // 2`` (Megatron's own ``_set_random_seed``), for an odd s after first
     building stage s-1 and dropping it, which draws what 1F1B drew before it. Every random
-    state is put back afterwards. The cost: at start-up, a chunk's build time and memory once
-    more for each odd stage. ``loop_init=False``: Megatron's seeding of this rank, as before.
+    state is put back afterwards. Under multi-token prediction 1F1B's last rank builds the MTP
+    stage's embedding copy before its first layers, so an even stage 2q whose partner holds
+    one starts after the partner's embedding draws (:func:`_draw_partners_embedding`). The
+    cost: at start-up, a chunk's build time and memory once more for each odd stage (and up to
+    its embedding for such an even stage). ``loop_init=False``: Megatron's seeding of this
+    rank, as before.
 
-    Tied embeddings (no ``--untie-embeddings-and-output-weights``): the embedding (stage 0) and
-    the output layer (stage 2p-1) are both on rank 0, so no chunk joins Megatron's embedding
-    group. The output layer's copy starts as the embedding's values (Megatron's copy on the
-    last stage starts from an all-reduce with the first), and :func:`sum_tied_embedding_grads`
-    adds the two gradients on that rank where Megatron all-reduces them between ranks. Each
-    chunk is annotated with ``pipeline_stage`` / ``pipeline_num_stages``."""
+    Tied embeddings (no ``--untie-embeddings-and-output-weights``) and MTP: the embedding
+    (stage 0) and its copy on stage 2p-1 (the output layer's, or the MTP stage's embedding)
+    are both on rank 0, so no chunk joins Megatron's embedding group. The copy starts as the
+    embedding's values (Megatron's copy on the last stage starts from an all-reduce with the
+    first), and :func:`sum_tied_embedding_grads` adds the two gradients on that rank where
+    Megatron all-reduces them between ranks. MTP layers on any other stage are refused (their
+    copy would be on another rank). Each chunk is annotated with ``pipeline_stage`` /
+    ``pipeline_num_stages``."""
     built: dict[int, Any] = {}  # vp_stage -> chunk, on this rank (chunk 0 is built first)
 
     @functools.wraps(model_provider)
@@ -110,28 +119,34 @@ def v_layout_model_provider(model_provider, loop_init: bool = True):
         pg_collection.embd = None
 
         def build(stage: int):
-            with _pipeline_rank_as(stage % p):
+            with _pipeline_rank_as(stage % p), \
+                    _pipeline_group_as(pg_collection, stage % p) as stand_in:
                 model = model_provider(
                     pre_process=(stage == 0), post_process=(stage == 2 * p - 1),
                     vp_stage=stage // p, config=config, pg_collection=pg_collection, **kwargs)
-                first = _stage_first_layer(model, stage // p, stage % p)
-            return model, first
+            _put_back_group(model, stand_in)
+            return model
 
         stage = v_chunk_stage(r, p, vp_stage)
         if loop_init:
             with _seeded_as_pipeline_rank(stage // 2):
                 if stage % 2:
                     build(stage - 1)  # dropped: it draws what 1F1B's rank drew before
-                model, first_layer = build(stage)
+                elif stage and _mtp_configured():
+                    _draw_partners_embedding(lambda: build(stage + 1))
+                model = build(stage)
         else:
-            model, first_layer = build(stage)
-        layers = getattr(getattr(model, "decoder", None), "layers", None)
-        if layers is not None and len(layers):
-            _renumber_layers(layers, first=first_layer + 1)
+            model = build(stage)
+        if _holds_embedding_copy(model) and stage != 2 * p - 1:
+            raise ValueError(
+                f"the V layout keeps the word embedding's copies on pipeline rank 0 (stages 0 "
+                f"and {2 * p - 1}), but multi-token prediction puts one on stage {stage} "
+                f"(rank {r}): put the MTP layers on the last stage (the default, or 'm' "
+                f"just before 'L' in --pipeline-model-parallel-layout), or use a loop schedule")
         model.pipeline_stage, model.pipeline_num_stages = stage, 2 * p
         model.pipeline_v_layout = True
         built[vp_stage] = model
-        if stage == 2 * p - 1 and getattr(model, "share_embeddings_and_output_weights", False):
+        if stage == 2 * p - 1 and _holds_embedding_copy(model):
             _start_tied_copy(built.get(0), model)
         _patch_once()
         return model
@@ -161,47 +176,143 @@ def _seeded_as_pipeline_rank(rank: int):
     ``megatron_compat.set_random_seed_as_pipeline_rank``). After: every generator as it was
     before (Python, NumPy, torch's CPU and CUDA defaults, the CUDA RNG tracker's named
     states)."""
-    import numpy as np
-    import torch
-    from megatron.core import tensor_parallel
     from megatron.training import get_args
 
-    tracker = tensor_parallel.get_cuda_rng_tracker()
-    saved = (random.getstate(), np.random.get_state(), torch.get_rng_state(),
-             device_helper.cuda_rng_state(), tracker.get_states())
+    saved = _rng_states()
     try:
         megatron_compat.set_random_seed_as_pipeline_rank(get_args(), rank, _pipeline_rank_as)
         yield
     finally:
-        random.setstate(saved[0])
-        np.random.set_state(saved[1])
-        torch.set_rng_state(saved[2])
-        device_helper.set_cuda_rng_state(saved[3])
-        tracker.set_states(saved[4])
+        _set_rng_states(saved)
 
 
-def _stage_first_layer(model, vp_stage: int, loop_rank: int) -> int:
-    """The global index of the stage's first decoder layer, as Megatron counts it for the
-    loop position (``loop_rank``, ``vp_stage``): from the layout string when there is one,
-    else from the split of ``--num-layers``."""
-    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+def _rng_states() -> tuple:
+    """Every generator's state: Python, NumPy, torch's CPU and CUDA defaults, the CUDA RNG
+    tracker's named states."""
+    import numpy as np
+    import torch
+    from megatron.core import tensor_parallel
 
-    config = getattr(model, "config", None)
-    if config is None:
-        return 0
-    return int(get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=loop_rank))
+    return (random.getstate(), np.random.get_state(), torch.get_rng_state(),
+            device_helper.cuda_rng_state(), tensor_parallel.get_cuda_rng_tracker().get_states())
+
+
+def _set_rng_states(states: tuple) -> None:
+    import numpy as np
+    import torch
+    from megatron.core import tensor_parallel
+
+    random.setstate(states[0])
+    np.random.set_state(states[1])
+    torch.set_rng_state(states[2])
+    device_helper.set_cuda_rng_state(states[3])
+    tensor_parallel.get_cuda_rng_tracker().set_states(states[4])
+
+
+def _mtp_configured() -> bool:
+    from megatron.training import get_args
+
+    return bool(getattr(get_args(), "mtp_num_layers", None))
+
+
+class _EmbeddingBuilt(Exception):
+    """Ends a build once its word embedding is constructed (:func:`_draw_partners_embedding`)."""
+
+
+def _draw_partners_embedding(build_partner) -> None:
+    """Under multi-token prediction the last stage keeps a copy of the word embedding, built
+    (and drawn from the generators) before its decoder layers. Under 1F1B the rank that holds
+    V stages 2q and 2q+1 builds that copy first, so stage 2q's layers start after its draws:
+    start the partner's build, stop it right after its embedding (if it builds one) and keep
+    the generators' states of that moment; without an embedding the build runs out and the
+    states are as before. (The copy's values do not matter: Megatron overwrites them with the
+    first stage's, as :func:`_start_tied_copy` does here.)"""
+    from megatron.core.models.common.embeddings.language_model_embedding import (
+        LanguageModelEmbedding,
+    )
+
+    original = LanguageModelEmbedding.__init__
+
+    @functools.wraps(original)
+    def init_then_stop(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        raise _EmbeddingBuilt
+
+    before = _rng_states()
+    LanguageModelEmbedding.__init__ = init_then_stop
+    try:
+        build_partner()
+        _set_rng_states(before)  # the partner builds no embedding: nothing to skip
+    except _EmbeddingBuilt:
+        pass  # the generators stay past the embedding's draws
+    finally:
+        LanguageModelEmbedding.__init__ = original
+
+
+def _holds_embedding_copy(model) -> bool:
+    """Whether a chunk keeps a copy of the word embedding that is not the first stage's:
+    Megatron's tied output layer, or the embedding of an MTP stage (Megatron's condition in
+    ``LanguageModule.setup_embeddings_and_output_layer``)."""
+    if getattr(model, "pre_process", False):
+        return False
+    return bool((getattr(model, "post_process", False)
+                 and getattr(model, "share_embeddings_and_output_weights", False))
+                or getattr(model, "mtp_process", False))
+
+
+class _PipelineGroupAsRank:
+    """The pipeline group, except that ``rank()`` answers the loop position's rank: what the
+    model's modules read while a V stage is built (``get_pg_rank(pg_collection.pp)``: the
+    decoder layers' numbers, hence which stage holds the final layer norm under MTP, and the
+    layer configs of heterogeneous blocks). Everything else is the group's."""
+
+    def __init__(self, group, rank: int):
+        self._group, self._rank = group, rank
+
+    def rank(self) -> int:
+        return self._rank
+
+    def __getattr__(self, name):
+        return getattr(self._group, name)
+
+
+@contextlib.contextmanager
+def _pipeline_group_as(pg_collection, rank: int):
+    """Inside: ``pg_collection.pp.rank()`` is ``rank``; yields the stand-in. After: the
+    collection holds the real group again (:func:`_put_back_group` does the same for what the
+    modules built inside kept)."""
+    group = pg_collection.pp
+    stand_in = _PipelineGroupAsRank(group, rank)
+    pg_collection.pp = stand_in
+    try:
+        yield stand_in
+    finally:
+        pg_collection.pp = group
+
+
+def _put_back_group(model, stand_in: _PipelineGroupAsRank) -> None:
+    """Every module attribute that is the stand-in (Megatron's ``LanguageModule.pp_group``),
+    or a process-group collection holding it, gets the real group: after the build nothing
+    reads the loop position's rank or communicates through the stand-in."""
+    for module in model.modules():
+        for name, value in list(vars(module).items()):
+            if value is stand_in:
+                setattr(module, name, stand_in._group)
+            elif getattr(value, "pp", None) is stand_in:
+                value.pp = stand_in._group
 
 
 def _start_tied_copy(embedding_chunk, output_chunk) -> None:
-    """The output layer's tied copy (Megatron fills it with zeros and expects an all-reduce
-    with the embedding's rank) takes the embedding's values, on the one rank that holds both."""
+    """The last stage's copy of the word embedding (the tied output layer's, or an MTP
+    stage's: Megatron fills it with zeros and expects an all-reduce with the embedding's rank)
+    takes the embedding's values, on the one rank that holds both."""
     import torch
 
     if embedding_chunk is None or not getattr(embedding_chunk, "pre_process", False):
         raise ValueError(
-            "tied embeddings under the V layout: the chunk with the output layer was built "
-            "before the chunk with the embedding on this rank; build chunk 0 first (as "
-            "Megatron's get_model does) or add --untie-embeddings-and-output-weights")
+            "tied embeddings or multi-token prediction under the V layout: the last stage's "
+            "copy of the word embedding was built before the chunk with the embedding on this "
+            "rank; build chunk 0 first (as Megatron's get_model does)")
     source = embedding_chunk.shared_embedding_or_output_weight()
     target = output_chunk.shared_embedding_or_output_weight()
     with torch.no_grad():
@@ -209,16 +320,15 @@ def _start_tied_copy(embedding_chunk, output_chunk) -> None:
 
 
 def tied_embedding_copies(model_chunks) -> tuple | None:
-    """``(embedding weight, output layer's copy)`` when this rank holds both chunks of a
-    V-layout model with tied embeddings, else None."""
+    """``(embedding weight, its copy on the last stage)`` when this rank holds both chunks of
+    a V-layout model with tied embeddings or MTP (:func:`_holds_embedding_copy`), else None."""
     from megatron.core.utils import get_attr_wrapped_model
 
     inner = [get_attr_wrapped_model(chunk, "pre_process", return_model_obj=True)
              for chunk in model_chunks]
-    tied = [m for m in inner if getattr(m, "pipeline_v_layout", False)
-            and getattr(m, "share_embeddings_and_output_weights", False)]
-    first = [m for m in tied if m.pre_process]
-    last = [m for m in tied if m.post_process and not m.pre_process]
+    v_chunks = [m for m in inner if getattr(m, "pipeline_v_layout", False)]
+    first = [m for m in v_chunks if m.pre_process]
+    last = [m for m in v_chunks if _holds_embedding_copy(m)]
     if not first or not last:
         return None
     return (first[0].shared_embedding_or_output_weight(),
@@ -226,9 +336,10 @@ def tied_embedding_copies(model_chunks) -> tuple | None:
 
 
 def sum_tied_embedding_grads(model_chunks) -> bool:
-    """On the rank that holds both tied copies (V layout), give each the sum of both
-    gradients (``main_grad`` under Megatron DDP), as Megatron's embedding-group all-reduce
-    does between the first and the last rank; return whether this rank holds a pair."""
+    """On the rank that holds both copies of the word embedding (V layout: tied embeddings,
+    MTP), give each the sum of both gradients (``main_grad`` under Megatron DDP), as
+    Megatron's embedding-group all-reduce does between the first and the last rank; return
+    whether this rank holds a pair."""
     pair = tied_embedding_copies(model_chunks)
     if pair is None:
         return False
@@ -311,16 +422,6 @@ def _v_layout_float16_module_class():
             return outputs
 
     return VLayoutFloat16Module
-
-
-def _renumber_layers(layers, first: int) -> None:
-    for i, layer in enumerate(layers):
-        delta = first + i - getattr(layer, "layer_number", first + i)
-        if delta:
-            for module in layer.modules():
-                number = getattr(module, "layer_number", None)
-                if isinstance(number, int) and not isinstance(number, bool):
-                    module.layer_number = number + delta
 
 
 def model_provider_for_args(model_provider, args: Any):

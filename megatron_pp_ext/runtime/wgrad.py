@@ -192,6 +192,11 @@ class LinearWeightGrad:
                 + ("+fused" if self.main_grad is not None else ""))
 
     def run(self, split: "WeightGradSplit") -> None:
+        deliver_linear_wgrads([(self.weight, self.compute(split))])
+
+    def compute(self, split: "WeightGradSplit") -> torch.Tensor | None:
+        """The GEMM: its result (the weight's gradient, in the weight's dtype), or None when
+        it went straight into ``main_grad`` (gradient-accumulation fusion)."""
         from megatron.core.utils import prepare_input_tensors_for_wgrad_compute
 
         with torch.no_grad():  # as inside autograd's backward, where Megatron does this
@@ -205,14 +210,31 @@ class LinearWeightGrad:
                 self.grad_output, total_input)
             if self.main_grad is not None:
                 accumulate_wgrad_into(self.main_grad, grad_output, total_input)
-                grad_weight = None
-            else:
-                grad_weight = grad_output.t().matmul(total_input)
-        if grad_weight is None:
-            self.weight.grad_added_to_main_grad = True
-            _deliver(self.weight, _dummy_wgrad(self.weight), dummy=True)
+                return None
+            return grad_output.t().matmul(total_input)
+
+
+def deliver_linear_wgrads(results) -> None:
+    """Hand each weight its gradients of one microbatch, ``results`` being ``(weight, GEMM
+    result or None)`` in the order the I queued them. A weight that several linears of the
+    microbatch use (the output layer under multi-token prediction: the main logits and each
+    MTP depth's) gets their sum in that order, in the weight's dtype, delivered once: what
+    autograd's input buffer of the weight's AccumulateGrad does in a full backward, so
+    Megatron DDP's hook adds the same rounded sum to ``main_grad`` and fires once. (Adding
+    each GEMM separately to the fp32 ``main_grad`` is not bit-identical under bf16.) With
+    gradient-accumulation fusion each GEMM went into ``main_grad`` already, as in Megatron's
+    own backward, and the weight gets one dummy."""
+    summed: dict[int, list] = {}
+    for weight, grad in results:
+        entry = summed.setdefault(id(weight), [weight, None])
+        if grad is not None:
+            entry[1] = grad if entry[1] is None else entry[1] + grad
+    for weight, grad in summed.values():
+        if grad is None:
+            weight.grad_added_to_main_grad = True
+            _deliver(weight, _dummy_wgrad(weight), dummy=True)
         else:
-            _deliver(self.weight, grad_weight)
+            _deliver(weight, grad)
 
 
 
@@ -681,8 +703,13 @@ class WeightGradSplit:
     def backward_weight(self, action: Action, chunk: int | None = None) -> None:
         tasks = self.pending.pop((action.stage, action.microbatch), [])
         start = time.perf_counter()
+        linear_results = []  # delivered together: a weight used twice gets one sum
         for task in tasks:
-            task.run(self)
+            if isinstance(task, LinearWeightGrad):
+                linear_results.append((task.weight, task.compute(self)))
+            else:
+                task.run(self)
+        deliver_linear_wgrads(linear_results)
         self.stats.w_seconds += time.perf_counter() - start
         self.stats.in_w += len(tasks)
 

@@ -400,7 +400,7 @@ def forward_step(data_iterator, model, return_schedule_plan: bool = False):
     if return_schedule_plan:
         return model.build_schedule_plan(*inputs, labels=batch["labels"],
                                          loss_mask=batch["loss_mask"]), loss
-    return model(*inputs, labels=batch["labels"]), loss
+    return model(*inputs, labels=batch["labels"], loss_mask=batch["loss_mask"]), loss
 
 
 # --------------------------------------------------------------------------------------------
@@ -438,7 +438,7 @@ def run_pretrain(rank: int, world_size: int, argv: Sequence[str],
     os.environ.setdefault("NCCL_ALGO", "Ring")
     history: dict[str, Any] = {"lm loss": [], "grad_norm": [], "skipped": [], "iteration": [],
                                "weight_grads": [], "overlapped_pairs": [], "all_to_all": [],
-                               "schedule": None,
+                               "mtp loss": [], "schedule": None,
                                "rank": rank}
     _count_all_to_all()
     history["step_end_s"] = []  # when each train_step returned (bench: steady step time)
@@ -470,6 +470,7 @@ def run_pretrain(rank: int, world_size: int, argv: Sequence[str],
             history["weight_grads"].append(getattr(getattr(state, "last_step", None),
                                                    "weight_grads", None))
             history["overlapped_pairs"].append(getattr(state, "overlapped_pairs", None))
+            history["mtp loss"].append(_mtp_losses_of_the_step())
             if record_to is not None:
                 _record(history, record_to)
             return out
@@ -503,6 +504,19 @@ def run_pretrain(rank: int, world_size: int, argv: Sequence[str],
              "skipped": r.skipped, "replayed": r.replayed, "iteration": r.iteration}
             for r in installation.train_step.reports]
     return history
+
+
+def _mtp_losses_of_the_step() -> list[float] | None:
+    """The step's summed MTP loss per depth on this rank (Megatron's MTP metrics tracker, read
+    between train_step and training_log, which reduces and clears it), or None on a rank
+    without MTP layers."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    tracker = getattr(MTPLossLoggingHelper, "tracker", None) or {}
+    values = tracker.get("loss_values", tracker.get("values"))
+    if values is None or not bool(values.any()):
+        return None
+    return [float(v) for v in values]
 
 
 _ALL_TO_ALL_CALLS = [0]
@@ -568,11 +582,12 @@ def merge_history(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
     losses = reporting[0]["lm loss"]
     for other in reporting[1:]:
         assert other["lm loss"] == losses, (reporting[0]["rank"], other["rank"])
+    mtp = [r["mtp loss"] for r in results if any(r.get("mtp loss") or ())]
     stages = {}
     for result in results:  # data-parallel replicas build the same stages
         stages.update(result.get("stages", {}))
     return {"lm loss": losses, "eval lm loss": reporting[0].get("eval lm loss", []),
-            "stages": dict(sorted(stages.items())),
+            "stages": dict(sorted(stages.items())), "mtp loss": mtp[0] if mtp else None,
             "grad_norm": results[0]["grad_norm"], "iteration": results[0]["iteration"],
             "skipped": results[0]["skipped"], "schedule": results[0]["schedule"]}
 
