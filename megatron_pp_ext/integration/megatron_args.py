@@ -55,6 +55,7 @@ from ..schedules import (AUTO, AUTO_LAYOUT, REGISTRY, SHAPING_OPTIONS, ScheduleS
                          schedule_layout, schedule_names, takes_option)
 from .model_chunks import model_chunks as _model_chunks
 from .options import ENV_SCHEDULE, PipelineOptions
+from .stage_layers import stage_layers
 
 GROUP_TITLE = "pipeline schedule (megatron-pp-ext)"
 
@@ -233,8 +234,6 @@ def _refuse_mtp_off_the_last_stage(name: str, args: Any, pp: int) -> None:
     if not getattr(args, "mtp_num_layers", None) or not getattr(
             args, "pipeline_model_parallel_layout", None):
         return  # without a string Megatron puts the MTP layers on the last stage
-    from .stage_layers import stage_layers
-
     stages = stage_layers(args, pp, 2)
     elsewhere = [s for s, stage in enumerate(stages[:-1]) if stage.mtp]
     if elsewhere:
