@@ -27,3 +27,31 @@ def test_auto_measures_then_switches_once_with_the_same_gradients(pp, layout):
     for step in range(3):
         got = merge_results([r["results"][step] for r in ranks])
         assert_same(got, reference, rtol=1e-5, atol=1e-6)
+
+
+def test_a_schedule_switch_relearns_megatron_ddps_grad_ready_counts(tmp_path):
+    """Megatron DDP (--overlap-grad-reduce) learns in its first step how many grad-ready calls
+    each parameter gets while sync is on, and then starts a bucket's reduction when those are
+    met. 1f1b counts one per parameter on stage 0 (sync is on from its last B); zb-h1 with
+    stage 0's 0W6 moved after its last I (0I7 0W6 0W7: what zb-auto builds for some measured
+    costs) counts two for each linear weight, so with 1f1b's counts its reduction would start
+    after 0W6, while 0W7 still adds to main_grad (what made the loop's auto test flaky: the
+    pipelines measured, switched, and reduced a partial gradient when the timing let them).
+    The step after a switch learns afresh: every step's counts are the learned ones."""
+    from megatron_pp_ext.schedules import build_schedule
+    from support.probes import switching_schedule_steps
+
+    late = build_schedule("zb-h1", 2, 8)
+    row = [a for a in late.actions[0] if str(a) != "0W6"]
+    row.insert(row.index(next(a for a in row if str(a) == "0I7")) + 1,
+               next(a for a in late.actions[0] if str(a) == "0W6"))
+    late.actions[0] = row
+    path = tmp_path / "late-w.csv"
+    path.write_text(late.to_csv())
+    ranks = spawn(2, switching_schedule_steps, schedules=("1f1b", str(path), str(path)),
+                  timeout_s=120)
+    stage0 = ranks[0]
+    assert stage0[1]["tail"] == ["0W5", "0I6", "0I7", "0W6", "0W7"][-4:]
+    assert [step["as_learned"] for step in stage0] == [True, True, True]
+    # 1f1b: one call per parameter; the late W's: more (the linears' W6 and W7 both count)
+    assert stage0[0]["counted"] < stage0[1]["counted"] == stage0[2]["counted"]

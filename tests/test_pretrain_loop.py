@@ -82,6 +82,10 @@ def _check_run(history, schedule_name):
     assert len(history["lm loss"]) == ITERS and len(history["grad_norm"]) == ITERS
     assert history["skipped"] == [0] * ITERS
     assert all(math.isfinite(x) for x in history["lm loss"] + history["grad_norm"])
+    # every step's grad-ready calls are the ones Megatron DDP learned (--overlap-grad-reduce
+    # starts a bucket's reduction when they are met): auto relearns them after its switch
+    for rank_steps in history["grad_ready_as_learned"]:
+        assert all(as_learned in (None, True) for as_learned in rank_steps), rank_steps
 
 
 def test_megatron_own_schedules_train(megatron_1f1b, megatron_interleaved):
@@ -122,6 +126,8 @@ def test_pipeline_schedule_flag_matches_megatron(
     ref = request.getfixturevalue(f"megatron_{reference}")
     out = _pretrain(schedule=schedule, vp=vp, overlap=overlap)
     _check_run(out, f"ScheduleFunction({schedule!r})")
+    if schedule == "auto":  # one choice for the job: both data-parallel pipelines run it
+        assert len(set(out["auto_choice"])) == 1 and out["auto_choice"][0] is not None
     if exact:
         assert out["lm loss"] == ref["lm loss"]
         assert out["grad_norm"] == ref["grad_norm"]

@@ -3,9 +3,12 @@
 The first step(s) run a measuring schedule that suits how the model is chunked, with tracing
 on: ``1f1b`` with each backward written as I then W (same order and arithmetic as 1F1B) for
 one chunk per rank, ``zb-v`` for the V layout. Each rank then has the mean F, I and W time of
-its stages; the ranks share them, rank 0 ranks the schedules that fit the model's chunking
-with the selector (``analysis.select``) under the memory budget, broadcasts its choice, logs
-it with the predicted gain, and every later step runs the chosen schedule.
+its stages; every rank shares them (each stage's cost the mean over the pipelines: data-,
+tensor- and context-parallel replicas), global rank 0 ranks the schedules that fit the
+model's chunking with the selector (``analysis.select``) under the memory budget, broadcasts
+its choice to every rank (one schedule for the whole job), logs it with the predicted gain,
+and every later step runs the chosen schedule. The step after the switch, Megatron DDP
+learns its grad-ready counts afresh (``megatron_stage.relearn_grad_ready_counts``).
 
 Which schedules can be chosen depends on the model, which is built for one layout: one chunk
 per rank -> gpipe, 1f1b, zb-h1, zb-h2, zb-auto; V layout (rank 0 holds the first and the last
@@ -89,6 +92,18 @@ def stage_costs(events, schedule: Schedule) -> dict[int, dict[str, float]]:
             for stage in sums}
 
 
+def _mean_costs_by_stage(parts) -> dict[int, dict[str, float]]:
+    """Each stage's mean cost of each kind over the pipelines that measured it (one part per
+    rank: ``stage_costs`` of its stages)."""
+    values: dict = defaultdict(lambda: defaultdict(list))
+    for part in parts:
+        for stage, costs in part.items():
+            for kind, cost in costs.items():
+                values[stage][kind].append(cost)
+    return {stage: {kind: sum(v) / len(v) for kind, v in kinds.items()}
+            for stage, kinds in values.items()}
+
+
 def per_rank_costs(costs_by_stage: dict[int, dict[str, float]], schedule: Schedule) -> CostModel:
     """The selector's costs: one number per rank for its whole part (its chunks summed)."""
     def total(rank: int, kind: str) -> float:
@@ -141,28 +156,38 @@ class AutoSchedule:
         return replace(options, schedule=name, trace=True), dict(builder_options)
 
     def after_step(self, result, schedule: Schedule, pp_group, memory=None) -> AutoChoice | None:
-        """Count a measuring step; after the last one, choose (same choice on every rank)."""
+        """Count a measuring step; after the last one, choose: one choice for the whole job,
+        made on global rank 0 and broadcast to every rank. Every pipeline (data-parallel
+        replicas, and the tensor- and context-parallel slices, each with its own pipeline
+        group) must run the same schedule: the ranks of a TP group run one action list, and
+        the DP replicas' gradient reductions must start in the same order. So the costs are
+        gathered from every rank, each stage's the mean over the pipelines that ran it, each
+        pipeline rank's activation the largest of its replicas."""
         self.measured += 1
         if self.measured < self.measure_steps:
             return None
-        mine = stage_costs(result.events, schedule)
-        gathered: list = [None] * dist.get_world_size(pp_group)
-        dist.all_gather_object(gathered, (mine, memory, measured_activation_bytes(result)),
-                               group=pp_group)
-        costs_by_stage = {s: c for part, _mem, _act in gathered for s, c in part.items()}
-        self.measured_activation = [act for _c, _m, act in gathered]
+        mine = (dist.get_rank(pp_group), stage_costs(result.events, schedule), memory,
+                measured_activation_bytes(result))
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine)
+        costs_by_stage = _mean_costs_by_stage([part for _r, part, _m, _a in gathered])
+        activation: dict = {}
+        for pp_rank, _part, _mem, act in gathered:
+            previous = activation.get(pp_rank, 0)
+            activation[pp_rank] = None if act is None or previous is None else max(previous, act)
+        self.measured_activation = [activation.get(r) for r in range(schedule.num_ranks)]
         choice = [None]
-        if dist.get_rank(pp_group) == 0:
+        if dist.get_rank() == 0:
             try:
                 choice[0] = self._choose(costs_by_stage, schedule,
-                                         [m for _c, m, _act in gathered])
+                                         [m for _r, _c, m, _a in gathered])
             except ValueError as exc:  # every rank raises it, none waits for a choice
                 choice[0] = str(exc)
-        dist.broadcast_object_list(choice, group=pp_group, group_src=0)
+        dist.broadcast_object_list(choice, src=0)
         if isinstance(choice[0], str):
             raise ValueError(choice[0])
         self.choice = choice[0]
-        if dist.get_rank(pp_group) == 0:
+        if dist.get_rank() == 0:
             log.info("auto schedule: %s", self.choice.reason)
         return self.choice
 

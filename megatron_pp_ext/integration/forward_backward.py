@@ -71,6 +71,9 @@ class RunState:
     planned: set = field(default_factory=set)
     #: schedule="auto": what was measured and chosen (reset when the options change)
     auto: AutoSchedule | None = None
+    #: this rank's action order that Megatron DDP learned its grad-ready counts in
+    #: (``GradSync.start``); None before the first training step
+    grad_counts_order: tuple | None = None
     #: NCCL: failure notes published when the run last went well (read again after a failed
     #: step); a wait stops on a peer's note numbered above it
     failure_baseline: int | None = None
@@ -421,7 +424,7 @@ def run_step(
     grad_sync, weight_split, work = _stage_work(
         schedule, rank, models, config, forward_step_func, iterators, num_microbatches,
         cp_group.size(), collect_non_loss_data, first_val_step, forward_only, pp_group)
-    grad_sync.start()
+    state.grad_counts_order = grad_sync.start(state.grad_counts_order)
     timeout = first_timeout if state.steps_run == 0 else later_timeout
     measuring = auto is not None and auto.measuring and not forward_only
     executor = Executor(schedule, rank, transport, work, recv_shape=recv_shape,

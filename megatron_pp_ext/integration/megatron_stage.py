@@ -18,6 +18,21 @@ from ..ir import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action, Sch
 from . import moe_overlap
 
 
+def relearn_grad_ready_counts(model_chunks) -> None:
+    """Megatron DDP (--overlap-grad-reduce) records in its first step how many grad-ready
+    calls each parameter gets while sync is on, and from then on starts a bucket's reduction
+    as soon as those counts are met. Another action order gives other counts: a schedule with
+    more W's after its last I meets the old counts before its last W, and the reduction would
+    read ``main_grad`` while later W's still add to it. So each bucket group is put back in
+    its first-step state: it counts without starting, reduces at the end of the step, and
+    keeps the counts of the new order (Megatron's own ``reset`` records them)."""
+    for chunk in model_chunks:
+        for name in ("bucket_groups", "expert_parallel_bucket_groups"):
+            for bucket_group in getattr(chunk, name, None) or ():
+                bucket_group.is_first_batch = True
+                bucket_group.golden_per_param_grad_ready_counts = {}
+
+
 class GradSync:
     """Megatron's no_sync / grad_sync_func / param_sync_func protocol, driven by actions.
 
@@ -78,12 +93,20 @@ class GradSync:
             self.context.__exit__(None, None, None)
             self.context = None
 
-    def start(self) -> None:
+    def start(self, learned_under: tuple | None = None) -> tuple | None:
+        """Enter the step: no_sync, the first chunks' param sync. ``learned_under``: this
+        rank's action order that Megatron DDP learned its grad-ready counts in (None: none
+        yet); when this step's differs (``auto`` switched schedules), DDP learns afresh
+        (:func:`relearn_grad_ready_counts`). Returns the order DDP's counts now follow."""
+        order = None if self.forward_only else tuple(self.schedule.actions[self.rank])
+        if order is not None and learned_under is not None and order != learned_under:
+            relearn_grad_ready_counts(self.chunks)
         self.disable()
         if self.multi and self.param_sync is not None:
             for chunk in range(min(2, len(self.chunks))):  # Megatron syncs the first two up front
                 self.param_sync[chunk](self.chunks[chunk].parameters())
                 self.first_forward_seen.add(chunk)
+        return learned_under if order is None else order
 
     def before(self, action: Action) -> None:
         chunk = self.schedule.chunk_of(action.stage)

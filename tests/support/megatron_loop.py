@@ -438,7 +438,8 @@ def run_pretrain(rank: int, world_size: int, argv: Sequence[str],
     os.environ.setdefault("NCCL_ALGO", "Ring")
     history: dict[str, Any] = {"lm loss": [], "grad_norm": [], "skipped": [], "iteration": [],
                                "weight_grads": [], "overlapped_pairs": [], "all_to_all": [],
-                               "mtp loss": [], "schedule": None,
+                               "mtp loss": [], "grad_ready_as_learned": [],
+                               "auto_choice": None, "schedule": None,
                                "rank": rank}
     _count_all_to_all()
     history["step_end_s"] = []  # when each train_step returned (bench: steady step time)
@@ -471,6 +472,10 @@ def run_pretrain(rank: int, world_size: int, argv: Sequence[str],
                                                    "weight_grads", None))
             history["overlapped_pairs"].append(getattr(state, "overlapped_pairs", None))
             history["mtp loss"].append(_mtp_losses_of_the_step())
+            history["grad_ready_as_learned"].append(_grad_ready_as_learned(
+                kwargs.get("model", args[2] if len(args) > 2 else None)))
+            auto = getattr(state, "auto", None)
+            history["auto_choice"] = getattr(getattr(auto, "choice", None), "schedule", None)
             if record_to is not None:
                 _record(history, record_to)
             return out
@@ -504,6 +509,21 @@ def run_pretrain(rank: int, world_size: int, argv: Sequence[str],
              "skipped": r.skipped, "replayed": r.replayed, "iteration": r.iteration}
             for r in installation.train_step.reports]
     return history
+
+
+def _grad_ready_as_learned(model) -> bool | None:
+    """Whether every DDP bucket group of ``model`` counted, in the step just run, the
+    grad-ready calls per parameter that it learned in its first step (Megatron starts a
+    bucket's reduction when they are met: fewer learned than a step makes starts it before
+    the step's last gradient); None without --overlap-grad-reduce (nothing is counted)."""
+    groups = [group for chunk in (model or []) for name in
+              ("bucket_groups", "expert_parallel_bucket_groups")
+              for group in getattr(chunk, name, None) or ()]
+    if not groups or not groups[0].ddp_config.overlap_grad_reduce:
+        return None
+    return all(group.is_first_batch
+               or group.per_param_grad_ready_counts == group.golden_per_param_grad_ready_counts
+               for group in groups)
 
 
 def _mtp_losses_of_the_step() -> list[float] | None:
@@ -588,6 +608,8 @@ def merge_history(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
         stages.update(result.get("stages", {}))
     return {"lm loss": losses, "eval lm loss": reporting[0].get("eval lm loss", []),
             "stages": dict(sorted(stages.items())), "mtp loss": mtp[0] if mtp else None,
+            "auto_choice": [r.get("auto_choice") for r in results],
+            "grad_ready_as_learned": [r.get("grad_ready_as_learned") for r in results],
             "grad_norm": results[0]["grad_norm"], "iteration": results[0]["iteration"],
             "skipped": results[0]["skipped"], "schedule": results[0]["schedule"]}
 

@@ -229,3 +229,41 @@ def auto_steps(rank: int, world_size: int, pp: int, steps: int = 3, layout: str 
                          **run_kwargs)
     return {"results": results, "reference": reference, "schedules": schedules,
             "choice": choice.schedule, "reason": choice.reason}
+
+
+def switching_schedule_steps(rank: int, world_size: int, schedules=("1f1b", "zb-auto", "zb-auto"),
+                             num_microbatches: int = 8) -> list[dict[str, Any]]:
+    """One model (Megatron DDP, --overlap-grad-reduce, its hooks as megatron.training installs
+    them) trained a step under each of ``schedules`` by one ScheduleFunction switched between
+    them (``set_options``, as ``auto`` switches), at pp = world_size. Per step: whether each
+    DDP bucket group counted the grad-ready calls it had learned (True, or True while it
+    learns), and the step's grad-ready calls per parameter summed."""
+    from megatron_pp_ext.integration.forward_backward import ScheduleFunction
+    from megatron_pp_ext.integration.options import PipelineOptions
+    from megatron_pp_ext.train.processes import init_megatron
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from support.megatron_loop import _grad_ready_as_learned
+
+    cfg = TinyGPTConfig()
+    init_megatron(world_size, None, seed=cfg.seed)
+    config = tiny_gpt.make_transformer_config(cfg, world_size, None)
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=False,
+                                               overlap_grad_reduce=True,
+                                               use_distributed_optimizer=False)
+    chunks = tiny_gpt.build_model_chunks(cfg, config=config, wrap_ddp=True,
+                                         ddp_config=ddp_config)
+    tiny_gpt.configure_hooks(config, chunks)
+    function = ScheduleFunction(schedules[0])
+    steps = []
+    for name in schedules:
+        function.set_options(PipelineOptions.from_kwargs(name))
+        for chunk in chunks:
+            chunk.zero_grad_buffer()  # Megatron's train_step does it first (DDP's reset)
+        batches = tiny_gpt.mock_batches(cfg, num_microbatches, seed=0)
+        call_schedule(function, tiny_gpt.forward_step_func, chunks, [iter(batches)], cfg,
+                      num_microbatches)
+        groups = [g for chunk in chunks for g in chunk.bucket_groups]
+        steps.append({"as_learned": _grad_ready_as_learned(chunks), "tail": [str(a) for a in function.state.last_schedule.actions[rank]][-4:],
+                      "counted": sum(sum(g.per_param_grad_ready_counts.values())
+                                     for g in groups)})
+    return steps
