@@ -10,7 +10,9 @@ of each pipeline stage), 3 iterations, with the flags of tests/test_pretrain_loo
   (support.megatron_loop.assert_v_trains_as);
 * the expert groups' all-to-alls are agreed before the first step: data-parallel replicas
   run with different schedules are refused on every rank, naming the first all-to-all where
-  two ranks of an expert group part (issue 26, item 2).
+  two ranks of an expert group part (issue 26, item 2);
+* DeepSeek-V3's shape (a shared expert, MTP, the embedding and the MTP layer with the loss
+  on their own stages) under dualpipev and zb-v with the overlap flag (issue 41, item 3).
 
 The CPU patches the MoE dispatcher needs (its device-to-host event, its split sizes as host
 arrays) are in support.megatron_loop, each with its reason.
@@ -183,3 +185,42 @@ def test_zb_v_with_the_flag_runs_every_f_and_i_through_the_plan_bit_identical():
     for with_flag, without in zip(overlapped, plain):
         assert with_flag["overlapped_pairs"] == [0] * ITERS
         assert with_flag["weight_grads"][0]["deferred"] == without["weight_grads"][0]["deferred"]
+
+
+# ------------------------------------------------ DeepSeek-V3's shape (issue 41, item 3)
+
+DEEPSEEK = MOE + ["--moe-shared-expert-intermediate-size", "64", "--disable-bias-linear",
+                  "--position-embedding-type", "rope", "--mtp-num-layers", "1",
+                  "--clip-grad", "0"]
+DEEPSEEK_V_LAYOUT = "E|tttt|tttt|mL"  # the embedding alone, the MTP layer and the loss alone
+DEEPSEEK_LOOP_LAYOUT = "Etttt|ttttmL"  # the same stages merged pairwise: 1F1B's two ranks
+
+
+def _deepseek(schedule=None):
+    layout = DEEPSEEK_LOOP_LAYOUT if schedule is None else DEEPSEEK_V_LAYOUT
+    extra = DEEPSEEK + ["--pipeline-model-parallel-layout", layout] + (
+        [OVERLAP] if schedule else [])
+    argv = pretrain_argv(pp=2, dp=2, schedule=schedule, iters=ITERS, num_microbatches=M,
+                         extra=extra)
+    return spawn(4, run_pretrain, argv, global_init=False, timeout_s=TIMEOUT)
+
+
+def test_a_deepseek_v3_shaped_model_trains_under_the_v_schedules_as_megatrons_1f1b():
+    """DeepSeek-V3's recipe on the tiny GPT: MoE with a shared expert, top-2 routing over 4
+    experts, expert parallelism 2, one MTP layer, a layout string with the embedding alone on
+    the first stage and the MTP layer with the loss alone on the last, and
+    --overlap-moe-expert-parallel-comm. dualpipev (its 4 F&B pairs per step through Megatron's
+    combined step) and zb-v train it as Megatron's 1F1B over the stages merged pairwise: the
+    same lm and MTP losses at every step (--clip-grad 0: support.megatron_loop, FIRST_STEP_RTOL,
+    says why), grad norms summed in another order (fp32). Multi-latent attention is not in it:
+    Megatron-Core 0.19.2's local spec (the CPU's; no Transformer Engine) cannot build it
+    (``DotProductAttention.__init__() got an unexpected keyword argument 'k_channels'``)."""
+    ref = merge_history(_deepseek())
+    assert ref["schedule"] == MEGATRON_1F1B and ref["mtp loss"] is not None
+    for schedule, pairs in (("dualpipev", 4), ("zb-v", 0)):
+        ranks = _deepseek(schedule)
+        out = merge_history(ranks)
+        assert out["schedule"] == f"ScheduleFunction({schedule!r})"
+        assert out["lm loss"] == ref["lm loss"] and out["mtp loss"] == ref["mtp loss"]
+        assert out["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-6)
+        assert all(r["overlapped_pairs"] == [pairs] * ITERS for r in ranks)
