@@ -16,6 +16,7 @@ def gpt_model_provider(pre_process=True, post_process=True, vp_stage=None, confi
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_decoder_block_spec,
+        get_gpt_decoder_layer_specs,
         get_gpt_layer_local_spec,
         get_gpt_mtp_block_spec,
     )
@@ -27,18 +28,24 @@ def gpt_model_provider(pre_process=True, post_process=True, vp_stage=None, confi
         config = core_transformer_config_from_args(args)
     if args.transformer_impl != "local":
         raise ValueError("the tests' GPT provider builds --transformer-impl local only")
+    local_layer = get_gpt_layer_local_spec(
+        config.num_moe_experts, config.moe_grouped_gemm, config.qk_layernorm,
+        config.multi_latent_attention, normalization=config.normalization)
     if args.num_experts:
         layer_spec = get_gpt_decoder_block_spec(
             config, use_transformer_engine=False, normalization=args.normalization,
             qk_l2_norm=args.qk_l2_norm, vp_stage=vp_stage)
     else:
-        layer_spec = get_gpt_layer_local_spec(
-            config.num_moe_experts, config.moe_grouped_gemm, config.qk_layernorm,
-            config.multi_latent_attention, normalization=config.normalization)
+        layer_spec = local_layer
     mtp_spec = None
     if args.mtp_num_layers is not None:
-        last = layer_spec.layer_specs[-1] if hasattr(layer_spec, "layer_specs") and \
-            layer_spec.layer_specs else layer_spec
+        # as gpt_builder: the model's last decoder layer's spec, or (a block spec whose stage
+        # has no decoder layer: 'mL' alone) the layer spec
+        last = local_layer
+        if getattr(layer_spec, "layer_specs", None):
+            last = get_gpt_decoder_layer_specs(
+                config, use_transformer_engine=False, normalization=args.normalization,
+                qk_l2_norm=args.qk_l2_norm, vp_stage=vp_stage)[-1]
         mtp_spec = get_gpt_mtp_block_spec(config, last, use_transformer_engine=False,
                                           vp_stage=vp_stage)
     return GPTModel(
