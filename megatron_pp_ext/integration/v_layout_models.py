@@ -37,6 +37,7 @@ from ..schedules import (
 from .. import device as device_helper
 from .. import megatron_compat
 from .model_chunks import model_chunks
+from .stage_layers import stage_layers
 
 def uses_v_layout(args: Any) -> bool:
     """Whether ``--pipeline-schedule`` asks for a V-layout schedule (zb-v, dualpipev, v-half,
@@ -132,7 +133,7 @@ def v_layout_model_provider(model_provider, loop_init: bool = True):
             with _seeded_as_pipeline_rank(stage // 2):
                 if stage % 2:
                     build(stage - 1)  # dropped: it draws what 1F1B's rank drew before
-                elif stage and _mtp_configured():
+                elif stage and _holds_mtp_layers(stage + 1, p):
                     _draw_partners_embedding(lambda: build(stage + 1))
                 model = build(stage)
         else:
@@ -209,10 +210,15 @@ def _set_rng_states(states: tuple) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(states[4])
 
 
-def _mtp_configured() -> bool:
+def _holds_mtp_layers(stage: int, p: int) -> bool:
+    """Whether V stage ``stage`` of 2p holds MTP layers (``stage_layers``: Megatron's
+    placement of the run's arguments, a layout string's or the last stage by default)."""
     from megatron.training import get_args
 
-    return bool(getattr(get_args(), "mtp_num_layers", None))
+    args = get_args()
+    if not getattr(args, "mtp_num_layers", None):
+        return False
+    return stage_layers(args, p, 2)[stage].mtp > 0
 
 
 class _EmbeddingBuilt(Exception):
@@ -220,12 +226,12 @@ class _EmbeddingBuilt(Exception):
 
 
 def _draw_partners_embedding(build_partner) -> None:
-    """Under multi-token prediction the last stage keeps a copy of the word embedding, built
+    """Under multi-token prediction the MTP stage keeps a copy of the word embedding, built
     (and drawn from the generators) before its decoder layers. Under 1F1B the rank that holds
     V stages 2q and 2q+1 builds that copy first, so stage 2q's layers start after its draws:
-    start the partner's build, stop it right after its embedding (if it builds one) and keep
-    the generators' states of that moment; without an embedding the build runs out and the
-    states are as before. (The copy's values do not matter: Megatron overwrites them with the
+    start the partner's build (stage 2q+1, which holds the MTP layers), stop it right after
+    its embedding and keep the generators' states of that moment; should it build no
+    embedding, the build runs out and the states are as before. (The copy's values do not matter: Megatron overwrites them with the
     first stage's, as :func:`_start_tied_copy` does here.)"""
     from megatron.core.models.common.embeddings.language_model_embedding import (
         LanguageModelEmbedding,
