@@ -396,6 +396,10 @@ def test_a_node_lost_mid_run_ends_the_job_and_every_survivor_names_it(tmp_path):
     errors.update({rank: message for rank, message in re.findall(
         r"megatron-pp-ext: global rank (0) failed: (?:PipelineTimeoutError|PeerLostError): "
         r"(.*) \(it serves the job's rendezvous store", text) if rank not in errors})
+    # the lost node's ranks (2, 3) time out too; whether their reports reach the output
+    # depends on whether srun still relays them once the link is restored (seen both ways), so
+    # only the survivors' are read
+    errors = {rank: message for rank, message in errors.items() if rank in ("0", "1")}
     assert sorted(errors) == ["0", "1"], text[-4000:]
     # it gave up once its timeout had passed (by how much more depends on the machine's load)
     waited = re.match(r"pipeline rank 1 waited (\d+\.\d) s for rank 2 and gave up: pending 1",
