@@ -32,12 +32,12 @@ def test_auto_measures_then_switches_once_with_the_same_gradients(pp, layout):
 def test_a_schedule_switch_relearns_megatron_ddps_grad_ready_counts(tmp_path):
     """Megatron DDP (--overlap-grad-reduce) learns in its first step how many grad-ready calls
     each parameter gets while sync is on, and then starts a bucket's reduction when those are
-    met. 1f1b counts one per parameter on stage 0 (sync is on from its last B); zb-h1 with
-    stage 0's 0W6 moved after its last I (0I7 0W6 0W7: the tail of
-    build_schedule("zb-auto", 2, 8)) counts two for each linear weight, so with 1f1b's counts its reduction would start
-    after 0W6, while 0W7 still adds to main_grad: a race, whose outcome depends on timing
-    (a likely cause of the loop's auto test failing once in CI).
-    The step after a switch learns afresh: every step's counts are the learned ones."""
+    met. 1f1b counts one per parameter on stage 0 (sync is on from its last B). zb-h1 with
+    stage 0's 0W6 moved after its last I (0I7 0W6 0W7, the tail of
+    build_schedule("zb-auto", 2, 8)) counts two for each linear weight. With 1f1b's counts its
+    reduction would start after 0W6, while 0W7 still adds to main_grad: a race, whose outcome
+    depends on timing (a likely cause of the loop's auto test failing once in CI). The step
+    after a switch learns afresh: every step's counts are the learned ones."""
     from megatron_pp_ext.schedules import build_schedule
     from support.probes import switching_schedule_steps
 
