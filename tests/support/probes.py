@@ -237,7 +237,8 @@ def switching_schedule_steps(rank: int, world_size: int, schedules=("1f1b", "zb-
     them) trained a step under each of ``schedules`` by one ScheduleFunction switched between
     them (``set_options``, as ``auto`` switches), at pp = world_size. Per step: whether each
     DDP bucket group counted the grad-ready calls it had learned (True, or True while it
-    learns), and the step's grad-ready calls per parameter summed."""
+    learns), the step's grad-ready calls per parameter summed, and this rank's last four
+    actions."""
     from megatron_pp_ext.integration.forward_backward import ScheduleFunction
     from megatron_pp_ext.integration.options import PipelineOptions
     from megatron_pp_ext.train.processes import init_megatron
@@ -263,7 +264,8 @@ def switching_schedule_steps(rank: int, world_size: int, schedules=("1f1b", "zb-
         call_schedule(function, tiny_gpt.forward_step_func, chunks, [iter(batches)], cfg,
                       num_microbatches)
         groups = [g for chunk in chunks for g in chunk.bucket_groups]
-        steps.append({"as_learned": _grad_ready_as_learned(chunks), "tail": [str(a) for a in function.state.last_schedule.actions[rank]][-4:],
+        tail = [str(a) for a in function.state.last_schedule.actions[rank]][-4:]
+        steps.append({"as_learned": _grad_ready_as_learned(chunks), "tail": tail,
                       "counted": sum(sum(g.per_param_grad_ready_counts.values())
                                      for g in groups)})
     return steps
