@@ -277,6 +277,13 @@ write_conf() {  # write_conf N
       echo "NodeName=$NS_PREFIX$i NodeAddr=$(node_addr "$i") CPUs=$cpus RealMemory=$mem_mb State=UNKNOWN"
     done)
   fi
+  # SlurmdTimeout 24 s: a lost node is declared down (its job NODE_FAIL) 16-32 s after its link
+  # goes (SlurmdTimeout, give or take a ping round of SlurmdTimeout / 3); the node-lost test
+  # needs its survivors to report before that (2 x --p2p-timeout-s + 6 s at most) and checks
+  # it against this value (SLURM's default is 300 s). UnkillableStepTimeout 180 s: the lost
+  # node's slurmstepd, back on the network, retries its step-completion message for over a
+  # minute and does not answer the kill SLURM sends meanwhile; at the default 60 s SLURM then
+  # drains the node ("Kill task failed") under the next test's job
   cat >"$CONF" <<EOF
 # $title written by scripts/slurm/local_cluster.sh; state, spool and logs in $DIR.
 ClusterName=megatron-pp-local
@@ -306,7 +313,8 @@ JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 SchedulerType=sched/backfill
 SlurmctldTimeout=30
-SlurmdTimeout=30
+SlurmdTimeout=24
+UnkillableStepTimeout=180
 InactiveLimit=0
 KillWait=10
 $node_lines
@@ -428,7 +436,9 @@ cmd_start() {  # cmd_start N
     echo "$n" >"$NODES_FILE"
     write_conf "$n"
     [ "$n" = 1 ] || net_up "$n"
-    slurmctld -i -f "$CONF"  # -i: ignore state that a previous run left in $DIR/state
+    # -c: clear what a previous run left in $DIR/state (its jobs, and nodes it drained: -i would
+    # only ignore errors reading it, and a node drained there stays drained here)
+    slurmctld -c -f "$CONF"
     start_slurmds "$n"
   fi
   wait_for_nodes "$n"
