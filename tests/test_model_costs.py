@@ -336,3 +336,23 @@ def test_compare_draws_every_schedule_on_the_model(capsys, tmp_path):
     rows = [line.split()[:3] for line in out.splitlines() if line[:2] in ("1 ", "2 ", "- ")]
     assert rows == [["1", "zb-v", "2"], ["2", "1f1b", "1"], ["-", "gpipe", "1"]]
     assert page.read_text().count("<svg") == 3
+
+
+def test_plan_json_on_stdout_is_only_json_with_megatrons_layout_log_on_stderr():
+    """``plan --format json`` with ``--pipeline-model-parallel-layout``: Megatron's layout
+    parser logs through the root handler that ``megatron.training`` puts on stdout; the
+    command moves it to stderr, so stdout parses as one JSON document (a subprocess: in
+    pytest's process the handler's stream is not the command's stdout)."""
+    import json
+    import subprocess
+    import sys
+
+    argv = LLAMA_70B + PP4 + ["--pipeline-model-parallel-layout", "Et*7|t*8|t*8|t*9L"]
+    proc = subprocess.run([sys.executable, "-m", "megatron_pp_ext", "plan", "--schedule",
+                           "1f1b", "--world-size", "128", "--format", "json", "--", *argv],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    plan = json.loads(proc.stdout)
+    assert [s["decoder_layers"] for s in plan["stages"]] == [7, 8, 8, 9]
+    assert plan["largest_stage_decoder_layers"] == 9 and "layers_per_stage" not in plan
+    assert "Parse pipeline model parallel layout Et*7|t*8|t*8|t*9L" in proc.stderr

@@ -72,12 +72,8 @@ def _count(text: str, flag: str, launcher: str) -> int:
     return int(low)
 
 
-def parse_pretrain_args(argv: Sequence[str]):
-    """Megatron-LM's own parser (``megatron.training.arguments.parse_args``, with the plugin's
-    argument group) over ``argv``, as ``pretrain_gpt.py`` would parse it. Nothing is validated
-    or initialized; Megatron's import warnings are kept quiet. ValueError when Megatron's
-    parser refuses the arguments (its message)."""
-    saved, errors = sys.argv, io.StringIO()
+def _megatron_parse_args():
+    """Megatron-LM's ``parse_args``, imported quietly."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         # importing Megatron (and torch) on a machine without CUDA logs about it: not ours to say
@@ -86,7 +82,29 @@ def parse_pretrain_args(argv: Sequence[str]):
             # without a GPU, not compiling Megatron's fusions: 2.8 s of CPU (no model runs here)
             import_megatron("megatron.training.arguments")
             from megatron.training.arguments import parse_args
+    return parse_args
 
+
+def megatron_logs_to_stderr() -> None:
+    """Point Megatron-LM's log handler at stderr: importing ``megatron.training`` puts one on
+    the root logger that writes to stdout (``log_handler.CustomHandler``), and the layout
+    parser logs through it; the planner's stdout is its report, or its JSON."""
+    _megatron_parse_args()
+    for handler in logging.getLogger().handlers:
+        if (isinstance(handler, logging.StreamHandler)
+                and handler.stream in (sys.stdout, sys.__stdout__)):
+            handler.setStream(sys.stderr)
+
+
+def parse_pretrain_args(argv: Sequence[str]):
+    """Megatron-LM's own parser (``megatron.training.arguments.parse_args``, with the plugin's
+    argument group) over ``argv``, as ``pretrain_gpt.py`` would parse it. Nothing is validated
+    or initialized; Megatron's import warnings are kept quiet. ValueError when Megatron's
+    parser refuses the arguments (its message)."""
+    saved, errors = sys.argv, io.StringIO()
+    parse_args = _megatron_parse_args()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
         sys.argv = ["pretrain_gpt.py", *argv]
         try:
             with contextlib.redirect_stderr(errors):
@@ -178,4 +196,5 @@ def _derive_batch(args: Any, sizes: Sizes) -> None:
     sizes.num_microbatches = global_batch // (micro * dp)
 
 
-__all__ = ["Sizes", "derive_sizes", "parse_pretrain_args", "required_arg", "split_launcher"]
+__all__ = ["Sizes", "derive_sizes", "megatron_logs_to_stderr", "parse_pretrain_args",
+           "required_arg", "split_launcher"]

@@ -132,7 +132,9 @@ class PretrainPlan:
             "dp": self.dp, "tp": self.tp, "cp": self.cp, "world_size": self.world_size,
             "world_size_from": self.world_from, "global_batch": self.global_batch,
             "micro_batch": self.micro_batch, "layout": self.layout,
-            "num_layers": self.num_layers, "layers_per_stage": self.layers_per_stage,
+            "num_layers": self.num_layers,
+            # per stage: stages[s]["decoder_layers"]; this is the most of them (an uneven split)
+            "largest_stage_decoder_layers": self.layers_per_stage,
             "stages": [self._stage_dict(s) for s in range(len(self.stages))],
             "stages_of_rank": stages_of,
             "activation_bytes_per_layer": self.activations.bytes_per_layer,
