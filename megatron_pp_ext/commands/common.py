@@ -9,7 +9,7 @@ from ..analysis.costs import (MeasuredCosts, activations_in_v1_units, assume_spl
                               format_counts, load_costs)
 from ..analysis.select import MiB, parse_size
 from ..analysis.simulate import CostModel
-from ..integration.gpus import DEFAULT_EFFICIENCY, GPUS
+from ..integration.gpus import DEFAULT_EFFICIENCY, DEFAULT_RESERVE_BYTES, GPUS
 
 
 def cost_value(text: str) -> float | list[float]:
@@ -217,6 +217,11 @@ def add_megatron_args(parser, what: str) -> None:
                        "and hold each rank's bytes to its memory")
     group.add_argument("--gpu-memory", type=_size, metavar="SIZE",
                        help="each rank's memory, e.g. 80GiB (default: --gpu's)")
+    group.add_argument("--reserve", type=_size, default=DEFAULT_RESERVE_BYTES, metavar="SIZE",
+                       help="of each rank's memory, what is held back for what is not the "
+                       "model's: the CUDA context, NCCL's buffers, the allocator's "
+                       f"fragmentation (default {DEFAULT_RESERVE_BYTES // 2**30} GiB, assumed; "
+                       "give your site's)")
     group.add_argument("--efficiency", type=float, default=DEFAULT_EFFICIENCY, metavar="E",
                        help="share of the GPU's peak a step reaches, for --gpu (default "
                        f"{DEFAULT_EFFICIENCY:g}, assumed)")
@@ -245,7 +250,7 @@ def select_on_model(args, argv: list[str], candidates):
 
     selection = select_pretrain(argv, gpu=args.gpu, world_size=args.world_size,
                                 gpu_memory=args.gpu_memory, efficiency=args.efficiency,
-                                candidates=candidates)
+                                candidates=candidates, reserve=args.reserve)
     text = (json.dumps(selection_dict(selection), indent=1) if args.format == "json" else
             selection_report(selection))
     return selection, text

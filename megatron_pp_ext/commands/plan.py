@@ -63,7 +63,8 @@ def run(args) -> int:
         raise ValueError(f"--world-size {args.world_size} must be >= 1")
     megatron_logs_to_stderr()  # stdout is the report (or the JSON)
     plan = plan_pretrain(argv, schedule=args.schedule, world_size=args.world_size,
-                         gpu=args.gpu, gpu_memory=args.gpu_memory, efficiency=args.efficiency)
+                         gpu=args.gpu, gpu_memory=args.gpu_memory, efficiency=args.efficiency,
+                         reserve=args.reserve)
 
     # the costs, checked against the plan's p (a measured rank's share holds for that p only)
     given = cost_flags_given(args)

@@ -167,7 +167,8 @@ def _run_planned(args, argv: list[str]) -> int:
                          "drop -p / -m / -v / --csv / --nccl-program (give --schedule NAME or "
                          "a schedule file)")
     plan = plan_pretrain(argv, schedule=args.schedule, world_size=args.world_size,
-                         gpu=args.gpu, gpu_memory=args.gpu_memory, efficiency=args.efficiency)
+                         gpu=args.gpu, gpu_memory=args.gpu_memory, efficiency=args.efficiency,
+                         reserve=args.reserve)
     args.ranks, args.microbatches = plan.pp, plan.m
     if args.costs or cost_flags_given(args):
         costs, unit, measured = costs_from_args(args)

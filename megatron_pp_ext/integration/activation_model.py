@@ -115,10 +115,21 @@ class _Layer:
     def sharded_always(self) -> Fraction:
         """Bytes split over tp in every case, times tp (see the module docstring)."""
         s = self.shape
-        # unfused attention repeats K and V to every head (GQA) before its matmuls save them
-        attention = 4 * s.query_size + 4 * (s.query_size if self.scores else s.kv_size)
-        mlp = s.mlp_activation_width * s.ffn
-        return Fraction(s.tokens * (attention + mlp)) + self.score_bytes
+        e = s.fp8_element_bytes
+        # unfused attention repeats K and V to every head (GQA) before its matmuls save them;
+        # under fp8 the output projection also keeps its input (the attention's output, which
+        # the attention keeps in 16 bits for its own backward) in fp8
+        attention = 4 * s.query_size + 4 * (s.query_size if self.scores else s.kv_size) \
+            + e * s.query_size
+        mlp = self._mlp_width() * s.ffn
+        return s.tokens * (attention + mlp) + self.score_bytes
+
+    def _mlp_width(self) -> Fraction:
+        """Bytes per token per MLP hidden unit: under fp8, fc2's input is kept in fp8 (the
+        activation's own saved input stays 16-bit)."""
+        s = self.shape
+        width = Fraction(s.mlp_activation_width)
+        return width - 2 + s.fp8_element_bytes if s.fp8 else width
 
     @property
     def score_bytes(self) -> Fraction:
@@ -129,8 +140,11 @@ class _Layer:
 
     @property
     def sharded_with_sp(self) -> Fraction:
+        """The two norms' inputs (16-bit), QKV's and fc1's inputs (the norms' outputs: fp8
+        under fp8), the dropout masks."""
         s = self.shape
-        return Fraction(s.tokens * s.hidden * (8 + (2 if s.hidden_dropout else 0)))
+        gemm_input = s.fp8_element_bytes if s.fp8 else 2
+        return s.tokens * s.hidden * (4 + 2 * gemm_input + (2 if s.hidden_dropout else 0))
 
     def _split(self, always: Fraction, with_sp: Fraction) -> Fraction:
         t = self.shape.tp
@@ -141,12 +155,17 @@ class _Layer:
 
     def moe_bytes(self) -> Fraction:
         s = self.shape
-        gate = s.mlp_activation_width
-        mlp = Fraction(s.tokens * (s.topk * (2 * s.hidden + gate * s.moe_ffn)
-                                   + gate * s.shared_ffn))
-        dense_mlp = Fraction(s.tokens * gate * s.ffn)
-        always = self.sharded_always - dense_mlp + mlp  # the router's input: fc1's input's place
-        return self._split(always, self.sharded_with_sp)
+        e = s.fp8_element_bytes
+        width = self._mlp_width()
+        # the k token copies the experts receive are their fc1's inputs (fp8 under fp8)
+        copy = e if s.fp8 else 2
+        mlp = s.tokens * (s.topk * (copy * s.hidden + width * s.moe_ffn) + width * s.shared_ffn)
+        dense_mlp = s.tokens * width * s.ffn
+        always = self.sharded_always - dense_mlp + mlp
+        with_sp = self.sharded_with_sp
+        if s.fp8:  # the router's input (fc1's place) stays 16-bit: the router runs no fp8
+            with_sp += s.tokens * s.hidden * (2 - e + (e if s.shared_ffn else 0))
+        return self._split(always, with_sp)
 
     def input_bytes(self, args: Any) -> Fraction:
         s = self.shape

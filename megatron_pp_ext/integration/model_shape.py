@@ -7,6 +7,7 @@ MTP layers, and the parallel sizes that split a layer (tp, sequence parallel, cp
 from __future__ import annotations
 
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any
 
 from .. import megatron_compat
@@ -46,6 +47,16 @@ class ModelShape:
     attention_dropout: bool
     bf16_or_fp16: bool
     fp8: bool
+    fp8_recipe: str = ""  # --fp8-recipe: delayed, tensorwise, mxfp8, blockwise ("": no fp8)
+
+    @property
+    def fp8_element_bytes(self) -> Fraction:
+        """Bytes per element of a tensor Transformer Engine keeps in fp8: 1, and under MXFP8
+        one e8m0 scale per block of 32 elements along the GEMM's reduction (the blockwise
+        recipe: one fp32 scale per 128 x 128 tile, negligible); 0 without fp8."""
+        if not self.fp8:
+            return Fraction(0)
+        return Fraction(33, 32) if self.fp8_recipe == "mxfp8" else Fraction(1)
 
     @property
     def tokens(self) -> int:
@@ -118,6 +129,8 @@ def model_shape(args: Any) -> ModelShape:
         attention_dropout=float(getattr(args, "attention_dropout", 0.1) or 0) > 0,
         bf16_or_fp16=bool(getattr(args, "bf16", False) or getattr(args, "fp16", False)),
         fp8=getattr(args, "fp8", None) is not None,
+        fp8_recipe=(str(getattr(args, "fp8_recipe", None) or "delayed")
+                    if getattr(args, "fp8", None) is not None else ""),
     )
 
 

@@ -70,9 +70,10 @@ def _rank_table(plan) -> list[str]:
     out.append("  peak in flight: a count of microbatch activations of the rank's stages alive "
                "at once; peak activation bytes: the stages' bytes walked through the schedule")
     out.append(f"  static: weights, gradients and optimizer state ({plan.static_rule})"
-               + (f"; fits: total <= {human_bytes(budget)}"
-                  f"{f' ({plan.gpu.name})' if plan.gpu else ''}, not counting the CUDA "
-                  "context, NCCL and allocator buffers" if budget is not None else ""))
+               + (f"; fits: total + {human_bytes(plan.memory[0].reserve)} reserve (the CUDA "
+                  "context, NCCL's buffers, the allocator's fragmentation: --reserve) <= "
+                  f"{human_bytes(budget)}{f' ({plan.gpu.name})' if plan.gpu else ''}"
+                  if budget is not None else ""))
     return out
 
 

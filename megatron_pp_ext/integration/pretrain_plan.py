@@ -32,7 +32,7 @@ from ..runtime.memory import predicted_peak_bytes
 from ..schedules.validate import peak_activations
 from ..timeline import Timeline
 from .activation_model import ActivationEstimate, activation_estimate
-from .gpus import DEFAULT_EFFICIENCY, Gpu, gpu_named
+from .gpus import DEFAULT_EFFICIENCY, DEFAULT_RESERVE_BYTES, Gpu, gpu_named
 from .megatron_args import schedule_options_from_args
 from .model_chunks import model_chunks as _model_chunks
 from .model_shape import model_shape
@@ -54,19 +54,21 @@ class RankMemory:
     activation: int
     static: int  # weights, gradients, optimizer state
     budget: int | None = None  # the GPU's memory, when known
+    reserve: int = 0  # of the budget, held back for what is not the model's (gpus.py)
 
     @property
     def total(self) -> int:
+        """The model's bytes: activations at the peak and the static bytes."""
         return self.activation + self.static
 
     @property
     def headroom(self) -> int | None:
-        """Bytes left (negative: over) under ``budget``."""
-        return None if self.budget is None else self.budget - self.total
+        """Bytes left (negative: over) under ``budget`` once the reserve is held back."""
+        return None if self.budget is None else self.budget - self.reserve - self.total
 
     @property
     def fits(self) -> bool | None:
-        return None if self.budget is None else self.total <= self.budget
+        return None if self.budget is None else self.total + self.reserve <= self.budget
 
 
 @dataclass
@@ -148,6 +150,7 @@ class PretrainPlan:
             "total_bytes": [rank.total for rank in self.memory],
             "gpu": self.gpu.name if self.gpu else None,
             "gpu_memory_bytes": self.memory[0].budget if self.memory else None,
+            "reserve_bytes": self.memory[0].reserve if self.memory else None,
             "fits": [rank.fits for rank in self.memory],
             "headroom_bytes": [rank.headroom for rank in self.memory],
             "predicted_step": self.timeline.makespan, "unit": self.timeline.unit,
@@ -169,7 +172,8 @@ def plan_pretrain(argv: Sequence[str], schedule: str | None = None,
                   world_size: int | None = None, costs: CostModel | None = None,
                   unit: str = "t", costs_text: str = "", gpu: str | None = None,
                   gpu_memory: int | None = None,
-                  efficiency: float = DEFAULT_EFFICIENCY) -> PretrainPlan:
+                  efficiency: float = DEFAULT_EFFICIENCY,
+                  reserve: int = DEFAULT_RESERVE_BYTES) -> PretrainPlan:
     """The plan for ``argv`` (a pretrain_gpt.py argument list, optionally behind its launcher,
     see :func:`split_launcher`) under ``schedule``, a name or a schedule file (.csv, .json;
     default: the arguments' ``--pipeline-schedule``, else Megatron's own: 1f1b, or interleaved
@@ -177,7 +181,8 @@ def plan_pretrain(argv: Sequence[str], schedule: str | None = None,
     ``costs``: a rank's share of one microbatch (``CostModel``), in ``unit`` ("t" or "s");
     default: with ``gpu`` (H100, H200, B200) each stage's F, I, W from its FLOPs at
     ``efficiency`` of the GPU's peak, in seconds, else unit costs. ``gpu_memory`` (bytes;
-    default the GPU's) is the budget each rank's total is held to. Raises ValueError naming
+    default the GPU's) is the budget each rank's total and ``reserve`` (bytes that are not the
+    model's: ``gpus.DEFAULT_RESERVE_BYTES``) are held to. Raises ValueError naming
     the values and the fix when the arguments and the schedule do not fit together."""
     pretrain_argv, launched, launched_from = split_launcher(argv)
     args = parse_pretrain_args(pretrain_argv)
@@ -210,10 +215,12 @@ def plan_pretrain(argv: Sequence[str], schedule: str | None = None,
             f"{'fp8' if shape.fp8 else 'bf16'} peak (assumed)")
     budget = gpu_memory if gpu_memory is not None else (device.memory_bytes if device else None)
     if built is None:
-        built = _synthesize(args, shape, stages, activations, sizes, v, stage_costs, budget)
+        built = _synthesize(args, shape, stages, activations, sizes, v, stage_costs, budget,
+                            reserve, device)
     timeline = simulate(built, costs or CostModel(), validate=False)
     timeline.unit = unit
-    memory, rule = _rank_memory(args, shape, stages, built, activations, sizes, budget)
+    memory, rule = _rank_memory(args, shape, stages, built, activations, sizes, budget,
+                                reserve, device)
     return PretrainPlan(
         schedule=built, name=name, how_chosen=how, tp=sizes.tp, pp=sizes.pp, cp=sizes.cp,
         dp=sizes.dp, world_size=sizes.world_size, world_from=sizes.world_from,
@@ -226,10 +233,11 @@ def plan_pretrain(argv: Sequence[str], schedule: str | None = None,
 
 
 def _rank_memory(args, shape, stages, schedule, activations, sizes: Sizes,
-                 budget: int | None) -> tuple[list[RankMemory], str]:
+                 budget: int | None, reserve: int,
+                 gpu: Gpu | None) -> tuple[list[RankMemory], str]:
     """Per rank: the schedule's peak of its stages' activation bytes, and the static bytes
     of its stages (``static_memory``)."""
-    per_param, rule = bytes_per_param(args)
+    per_param, rule = bytes_per_param(args, gpu)
     distributed = bool(getattr(args, "use_distributed_optimizer", False))
     dp_shards = sizes.dp * sizes.cp if distributed else 1
     expert_dp = max(1, sizes.world_size // (shape.etp * shape.ep * sizes.pp))
@@ -242,7 +250,7 @@ def _rank_memory(args, shape, stages, schedule, activations, sizes: Sizes,
         static = sum(per_param.of(stage_params(shape, stages[s], shares_tied_copy=single),
                                   dp_shards, expert_dp if distributed else 1)
                      for s in schedule.stages_of(rank))
-        memory.append(RankMemory(peaks[rank], static, budget))
+        memory.append(RankMemory(peaks[rank], static, budget, reserve))
     return memory, rule
 
 
@@ -315,7 +323,8 @@ def _build(name: str, options: dict, sizes: Sizes, v: int) -> Schedule:
 
 
 def _synthesize(args, shape, stages, activations, sizes: Sizes, v: int,
-                stage_costs: dict | None, budget: int | None) -> Schedule:
+                stage_costs: dict | None, budget: int | None, reserve: int,
+                gpu: Gpu | None) -> Schedule:
     """zb-auto for this model: each rank's share of F, I, W (its stages' FLOP-priced seconds
     summed; unit costs per stage without a GPU), its stages' activation bytes, and what its
     memory leaves for activations once its static bytes are in (1F1B's peak without a
@@ -330,8 +339,9 @@ def _synthesize(args, shape, stages, activations, sizes: Sizes, v: int,
     options = {kind: share(per_stage[kind]) for kind in ("t_f", "t_i", "t_w")}
     options["activation"] = share(activations.stage_bytes)
     if budget is not None:
-        static, _ = _rank_memory(args, shape, stages, empty, activations, sizes, budget)
-        options["memory_budget"] = [max(0, budget - rank.static) for rank in static]
+        static, _ = _rank_memory(args, shape, stages, empty, activations, sizes, budget,
+                                 reserve, gpu)
+        options["memory_budget"] = [max(0, rank.headroom) for rank in static]
     try:
         return build_schedule(ZB_AUTO, sizes.pp, sizes.num_microbatches, v, **options)
     except ValueError as exc:

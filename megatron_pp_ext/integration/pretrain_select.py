@@ -17,7 +17,7 @@ from typing import Sequence
 from ..schedules import candidates_by_layout
 from ..units import human_bytes
 from .pretrain_plan import PretrainPlan, plan_pretrain
-from .gpus import DEFAULT_EFFICIENCY
+from .gpus import DEFAULT_EFFICIENCY, DEFAULT_RESERVE_BYTES
 
 #: flags that set the virtual stages, each with its value (replaced per candidate)
 _VIRTUAL_FLAGS = ("--num-virtual-stages-per-pipeline-rank",
@@ -37,7 +37,8 @@ class PretrainSelection:
 
 def select_pretrain(argv: Sequence[str], gpu: str | None, world_size: int | None = None,
                     gpu_memory: int | None = None, efficiency: float = DEFAULT_EFFICIENCY,
-                    candidates: Sequence[str] | None = None) -> PretrainSelection:
+                    candidates: Sequence[str] | None = None,
+                    reserve: int = DEFAULT_RESERVE_BYTES) -> PretrainSelection:
     """Plan every candidate (default: every registered schedule) for ``argv`` on ``gpu``
     (its FLOPs price the stages; its memory, or ``gpu_memory`` bytes, is the budget) and rank
     them. ValueError when the budget or the costs are unknown."""
@@ -54,7 +55,7 @@ def select_pretrain(argv: Sequence[str], gpu: str | None, world_size: int | None
         try:
             plan = plan_pretrain(_with_chunks(argv, chunks), schedule=name,
                                  world_size=world_size, gpu=gpu, gpu_memory=gpu_memory,
-                                 efficiency=efficiency)
+                                 efficiency=efficiency, reserve=reserve)
         except ValueError as exc:
             excluded.append((name, str(exc)))
             continue
@@ -102,8 +103,9 @@ def selection_report(selection: PretrainSelection) -> str:
         first = plans[0]
         lines += [f"p={first.p} m={first.m} (tp {first.tp}, dp {first.dp}); each stage priced "
                   f"from its FLOPs at {first.efficiency:g} of the {first.gpu.name}'s peak; "
-                  f"budget {human_bytes(first.memory[0].budget)} per rank (weights, "
-                  "gradients, optimizer state and activations)", ""]
+                  f"budget {human_bytes(first.memory[0].budget)} per rank less a "
+                  f"{human_bytes(first.memory[0].reserve)} reserve (--reserve), for weights, "
+                  "gradients, optimizer state and activations", ""]
     header = ("#", "schedule", "v", "step", "vs best", "bubble", "most bytes on a rank",
               "fits")
     best = selection.best.timeline.makespan if selection.best else None
