@@ -359,3 +359,41 @@ def test_plan_json_on_stdout_is_only_json_with_megatrons_layout_log_on_stderr():
     assert [s["decoder_layers"] for s in plan["stages"]] == [7, 8, 8, 9]
     assert plan["largest_stage_decoder_layers"] == 9 and "layers_per_stage" not in plan
     assert "Parse pipeline model parallel layout Et*7|t*8|t*8|t*9L" in proc.stderr
+
+
+@pytest.mark.parametrize("extra, gpu, expect", [
+    ([], None, (2, 4, 12, None)),
+    (["--grad-reduce-in-bf16"], None, (2, 2, 12, None)),
+    # the precision-aware optimizer: bf16 main gradients and moments; fp32 masters kept as the
+    # bf16 weight and a 16-bit remainder (no fp8, so Transformer Engine's FusedAdam holds them)
+    (["--use-precision-aware-optimizer", "--main-grads-dtype", "bf16", "--exp-avg-dtype",
+      "bf16", "--exp-avg-sq-dtype", "bf16"], None, (2, 2, 2 + 2 + 2, None)),
+    (["--use-precision-aware-optimizer", "--exp-avg-dtype", "fp8"], None, (2, 4, 2 + 1 + 4, None)),
+    # fp8: Transformer Engine's copies of the GEMM weights (a transpose too on Hopper), or
+    # the fp8 parameters in their place
+    (["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"], "H100", (2, 4, 12, 4)),
+    (["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise", "--fp8-param-gather"], "H100",
+     (2, 4, 12, 2)),
+    (["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise", "--fp8-param-gather"], "B200",
+     (2, 4, 12, 1)),
+    (["--fp8-format", "e4m3", "--fp8-recipe", "mxfp8", "--fp8-param-gather"], "B200",
+     (2, 4, 12, 2 * 33 / 32)),
+], ids=["bf16", "bf16-grads", "precision-aware", "fp8-moment", "fp8", "fp8-params",
+        "fp8-params-b200", "mxfp8-params"])
+def test_bytes_per_parameter_follow_megatrons_flags(extra, gpu, expect):
+    args = parse_pretrain_args(LLAMA_70B + ["--use-distributed-optimizer"] + extra)
+    per_param, _ = bytes_per_param(args, GPUS[gpu] if gpu else None)
+    assert (per_param.weight, per_param.grad, per_param.optimizer,
+            per_param.gemm_weight) == pytest.approx(expect)
+
+
+@pytest.mark.parametrize("recipe, per_layer", [("tensorwise", 31), ("mxfp8", 31 + 6.5 / 32)])
+def test_fp8_keeps_the_gemm_inputs_in_fp8(recipe, per_layer):
+    """Under fp8 Transformer Engine keeps QKV's and fc1's inputs (the norms' outputs) and
+    fc2's input in fp8, and the output projection an fp8 copy of the attention's output:
+    35.5 T h / t in bf16 becomes 31 (MXFP8: and a scale per 32 of those 6.5 T h)."""
+    args = parse_pretrain_args(LLAMA_70B + ["--fp8-format", "hybrid", "--fp8-recipe", recipe])
+    bf16 = plan_activation(parse_pretrain_args(LLAMA_70B)).bytes_per_layer
+    fp8 = plan_activation(args).bytes_per_layer
+    th = 8192 * 8192
+    assert bf16 == 35.5 * th / 8 and fp8 == pytest.approx(per_layer * th / 8, rel=1e-9)

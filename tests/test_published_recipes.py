@@ -1,0 +1,45 @@
+"""``plan`` against NVIDIA's published Megatron-Core runs (``support.published_recipes``): each
+ran on its GPUs, so every rank of its plan fits (the model's bytes and the reserve in the
+GPU's memory), and the plan's FLOPs per token are the summary's TFLOP/s over its tokens/s
+within 3% (both count Megatron's model FLOPs: 6 per weight per token, the causal half of the
+core attention, the output layer over the padded vocabulary). A configuration that cannot fit
+still says so; ``select`` keeps NVIDIA's own choice for the 70B run among those that fit."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from support.published_recipes import RUNS, planned
+
+
+@pytest.mark.parametrize("run", RUNS, ids=[f"{r.name} {r.world_size}x{r.gpu}" for r in RUNS])
+def test_a_published_run_fits_and_its_flops_per_token_are_the_summarys(run):
+    plan, per_token = planned(run)
+    over = {r: -rank.headroom for r, rank in enumerate(plan.memory) if not rank.fits}
+    assert not over, f"{run.name} on {run.gpu} ran, but the plan puts ranks over by {over} B"
+    assert per_token == pytest.approx(run.flops_per_token, rel=0.03)
+
+
+def test_the_70b_run_at_tp_2_does_not_fit():
+    """The same recipe with half the tensor parallelism: twice the activations and weights per
+    rank, over 80 GB on every rank (rank 0, the embedding's, by the most)."""
+    run = RUNS[0]
+    at_tp2 = dataclasses.replace(run, argv=run.argv.replace("--tensor-model-parallel-size 4",
+                                                            "--tensor-model-parallel-size 2"))
+    plan, _ = planned(at_tp2)
+    assert plan.tp == 2 and not any(rank.fits for rank in plan.memory)
+    assert -plan.memory[0].headroom > 40 * 2**30
+
+
+def test_select_keeps_nvidias_choice_for_the_70b_run_among_those_that_fit():
+    from megatron_pp_ext.integration.pretrain_select import select_pretrain
+
+    run = RUNS[0]
+    selection = select_pretrain(run.args, gpu=run.gpu, world_size=run.world_size,
+                                candidates=["interleaved", "1f1b", "zb-h2"])
+    fits = {plan.name: plan.v for plan in selection.ranked}
+    assert fits == {"interleaved": 5, "1f1b": 1}  # zb-h2 holds too many microbatches
+    assert [plan.name for plan in selection.too_big] == ["zb-h2"]
+    assert selection.best.name == "interleaved"
