@@ -51,12 +51,8 @@ class ModelShape:
 
     @property
     def fp8_element_bytes(self) -> Fraction:
-        """Bytes per element of a tensor Transformer Engine keeps in fp8: 1, and under MXFP8
-        one e8m0 scale per block of 32 elements along the GEMM's reduction (the blockwise
-        recipe: one fp32 scale per 128 x 128 tile, negligible); 0 without fp8."""
-        if not self.fp8:
-            return Fraction(0)
-        return Fraction(33, 32) if self.fp8_recipe == "mxfp8" else Fraction(1)
+        """Bytes per element of a tensor Transformer Engine keeps in fp8 (0 without fp8)."""
+        return fp8_element_bytes(self.fp8_recipe) if self.fp8 else Fraction(0)
 
     @property
     def tokens(self) -> int:
@@ -129,9 +125,22 @@ def model_shape(args: Any) -> ModelShape:
         attention_dropout=float(getattr(args, "attention_dropout", 0.1) or 0) > 0,
         bf16_or_fp16=bool(getattr(args, "bf16", False) or getattr(args, "fp16", False)),
         fp8=getattr(args, "fp8", None) is not None,
-        fp8_recipe=(str(getattr(args, "fp8_recipe", None) or "delayed")
-                    if getattr(args, "fp8", None) is not None else ""),
+        fp8_recipe=fp8_recipe(args),
     )
+
+
+def fp8_recipe(args: Any) -> str:
+    """``--fp8-recipe`` under ``--fp8-format`` (Megatron's default: delayed), else ""."""
+    if getattr(args, "fp8", None) is None:
+        return ""
+    return str(getattr(args, "fp8_recipe", None) or "delayed")
+
+
+def fp8_element_bytes(recipe: str) -> Fraction:
+    """Bytes per element of a tensor Transformer Engine keeps in fp8 under ``recipe``: 1, and
+    under MXFP8 one e8m0 scale per block of 32 elements (the blockwise recipe: one fp32 scale
+    per 128 x 128 tile, negligible)."""
+    return Fraction(33, 32) if recipe == "mxfp8" else Fraction(1)
 
 
 #: Vocabulary sizes of the tokenizers whose size needs no file (Megatron's GPT-2 BPE: 50257).
@@ -167,4 +176,4 @@ def _moe_pattern(args: Any, layers: int, experts: int) -> tuple[bool, ...]:
     return tuple(pattern)
 
 
-__all__ = ["ModelShape", "model_shape"]
+__all__ = ["ModelShape", "fp8_element_bytes", "fp8_recipe", "model_shape"]

@@ -18,9 +18,10 @@ buffer, the distributed optimizer, Transformer Engine's fp8 weights):
 * weights: 16-bit 2 (fp32 4). Under fp8 (``--fp8-format``) the transformer layers' GEMM
   weights also have Transformer Engine's fp8 copies, kept from a step's first microbatch to its
   last (``is_first_microbatch``: the weight workspaces), one for the forward (row-wise) and one
-  for the input gradient (column-wise, the transpose): 2 more; with ``--fp8-param-gather`` the
+  for the input gradient (column-wise, the transpose, on Hopper only; MXFP8 keeps both
+  everywhere): 2 more (Blackwell, delayed or tensorwise: 1); with ``--fp8-param-gather`` the
   parameters are themselves fp8 tensors (Transformer Engine's ``fp8_model_init``) holding the
-  same two, with no 16-bit copy: 2 in all. MXFP8 adds a scale per 32 elements to each.
+  same copies, with no 16-bit one. MXFP8 adds a scale per 32 elements to each.
 * gradients (the DDP grad buffer): fp32 4 when Megatron accumulates in fp32, which
   ``validate_args`` turns on for bf16 unless ``--grad-reduce-in-bf16`` or a bf16
   ``--main-grads-dtype``; fp16 ones only with ``--accumulate-allreduce-grads-in-fp32``;
@@ -41,7 +42,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .gpus import Gpu
-from .model_shape import ModelShape
+from .model_shape import ModelShape, fp8_element_bytes, fp8_recipe
 from .stage_layers import StageLayers
 
 
@@ -148,8 +149,7 @@ def bytes_per_param(args: Any, gpu: Gpu | None = None) -> tuple[BytesPerParam, s
     optimizer = str(getattr(args, "optimizer", "adam") or "adam")
     adam = optimizer.startswith("adam")
     states = flag_bytes("exp_avg_dtype") + (flag_bytes("exp_avg_sq_dtype") if adam else 0)
-    fp8 = getattr(args, "fp8", None) is not None
-    recipe = str(getattr(args, "fp8_recipe", "") or "delayed") if fp8 else ""
+    recipe = fp8_recipe(args)
     master, master_words = (flag_bytes("main_params_dtype") if half else 0), ""
     if (aware and bf16 and master == 4 and recipe in ("", "delayed")
             and getattr(args, "store_param_remainders", True)):
@@ -158,8 +158,8 @@ def bytes_per_param(args: Any, gpu: Gpu | None = None) -> tuple[BytesPerParam, s
         master, master_words = 2, " (fp32 as the bf16 weight and a 2 B remainder)"
     weight = 2 if half else 4
     gemm_weight, fp8_words = None, ""
-    if fp8:
-        e = 33 / 32 if recipe == "mxfp8" else 1
+    if recipe:
+        e = float(fp8_element_bytes(recipe))
         # the forward's row-wise copy, and the input gradient's column-wise one where the
         # GPU keeps it (Hopper; MXFP8 scales the two directions apart, so keeps both)
         copies = 2 if recipe == "mxfp8" or gpu is None or gpu.fp8_transpose else 1
