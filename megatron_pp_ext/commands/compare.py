@@ -117,11 +117,8 @@ def run(args) -> int:
 def _run_pretrain(args, argv: list[str]) -> int:
     """``compare -- <pretrain_gpt.py args>``: every schedule planned on the model, the table
     ``select`` prints (those that do not fit included), ``--out``: every timeline."""
-    from ..integration.pretrain_args import megatron_logs_to_stderr
-
     names = [n.strip() for n in args.schedules.split(",") if n.strip()] if args.schedules \
         else None
-    megatron_logs_to_stderr()  # stdout is the table (or the JSON)
     selection, text = select_on_model(args, argv, names)
     print(text)
     plans = selection.ranked + selection.too_big

@@ -52,7 +52,6 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from ..integration.pretrain_args import megatron_logs_to_stderr
     from ..integration.pretrain_plan import plan_pretrain, plan_report
 
     argv = megatron_argv(args)
@@ -61,7 +60,6 @@ def run(args) -> int:
                          "zb-v -- --pipeline-model-parallel-size 4 --num-layers 32 ...")
     if args.world_size is not None and args.world_size < 1:
         raise ValueError(f"--world-size {args.world_size} must be >= 1")
-    megatron_logs_to_stderr()  # stdout is the report (or the JSON)
     plan = plan_pretrain(argv, schedule=args.schedule, world_size=args.world_size,
                          gpu=args.gpu, gpu_memory=args.gpu_memory, efficiency=args.efficiency,
                          reserve=args.reserve)

@@ -119,8 +119,5 @@ def render_text(selection: Selection, unit: str = "t", activation_from: str = "g
 
 def run_pretrain(args, argv: list[str], candidates) -> int:
     """``select -- <pretrain_gpt.py args>``: every candidate planned on the model."""
-    from ..integration.pretrain_args import megatron_logs_to_stderr
-
-    megatron_logs_to_stderr()  # stdout is the table (or the JSON)
     sys.stdout.write(select_on_model(args, argv, candidates)[1] + "\n")
     return 0

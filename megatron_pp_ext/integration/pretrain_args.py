@@ -85,11 +85,10 @@ def _megatron_parse_args():
     return parse_args
 
 
-def megatron_logs_to_stderr() -> None:
+def _megatron_logs_to_stderr() -> None:
     """Point Megatron-LM's log handler at stderr: importing ``megatron.training`` puts one on
     the root logger that writes to stdout (``log_handler.CustomHandler``), and the layout
     parser logs through it; the planner's stdout is its report, or its JSON."""
-    _megatron_parse_args()
     for handler in logging.getLogger().handlers:
         if (isinstance(handler, logging.StreamHandler)
                 and handler.stream in (sys.stdout, sys.__stdout__)):
@@ -103,6 +102,7 @@ def parse_pretrain_args(argv: Sequence[str]):
     parser refuses the arguments (its message)."""
     saved, errors = sys.argv, io.StringIO()
     parse_args = _megatron_parse_args()
+    _megatron_logs_to_stderr()  # the planner's stdout is its report or its JSON
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         sys.argv = ["pretrain_gpt.py", *argv]
@@ -196,5 +196,4 @@ def _derive_batch(args: Any, sizes: Sizes) -> None:
     sizes.num_microbatches = global_batch // (micro * dp)
 
 
-__all__ = ["Sizes", "derive_sizes", "megatron_logs_to_stderr", "parse_pretrain_args",
-           "required_arg", "split_launcher"]
+__all__ = ["Sizes", "derive_sizes", "parse_pretrain_args", "required_arg", "split_launcher"]
