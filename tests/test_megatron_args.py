@@ -299,9 +299,9 @@ def test_schedule_file_options_and_layout(tmp_path):
     ("zb-h1", dict(virtual_pipeline_model_parallel_size=2),
      "places 1 stage(s) on each rank but Megatron builds 2 model chunk(s) per rank: remove"),
     ("zb-v", {}, "add --num-virtual-stages-per-pipeline-rank 2 (the file's V layout"),
-    ("zb-v", dict(virtual_pipeline_model_parallel_size=2,
-                  decoder_first_pipeline_num_layers=1),
-     "cannot honour --decoder-first-pipeline-num-layers"),
+    ("zb-v", dict(virtual_pipeline_model_parallel_size=2, num_layers=8,
+                  decoder_first_pipeline_num_layers=3),
+     "the other 7 stages must share the remaining 5 of --num-layers 8 evenly"),
     ("zb-h1", dict(pp_max_pending_backward=2), "drop --pp-max-pending-backward"),
     ("zb-h1", dict(pp_schedule_chunks=2), "--pp-schedule-chunks 2 does not fit"),
     ("zb-h1", dict(global_batch_size=16, micro_batch_size=1, data_parallel_size=1),
@@ -365,21 +365,65 @@ def test_a_layout_string_with_two_stages_per_rank_names_that_flag_for_one_chunk_
     assert "--num-virtual-stages-per-pipeline-rank" not in text
 
 
-@pytest.mark.parametrize("flags, named", [
-    (["--decoder-first-pipeline-num-layers", "2", "--decoder-last-pipeline-num-layers", "2"],
-     "--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers"),
+# (flags, --num-layers, the layout string the V layout builds at pp 4: 8 stages)
+V_SPLITS = [
+    (["--decoder-first-pipeline-num-layers", "1", "--decoder-last-pipeline-num-layers", "1"],
+     "8", "Et|(t|)*6,tL"),
+    (["--decoder-first-pipeline-num-layers", "3"], "10", "Et*3|(t|)*6,tL"),
     (["--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"],
-     "--account-for-embedding-in-pipeline-split / --account-for-loss-in-pipeline-split"),
-])
+     "6", "E|(t|)*6,L"),
+    (["--account-for-loss-in-pipeline-split"], "15", "Ett|(tt|)*6,tL"),
+]
+
+
+@pytest.mark.parametrize("flags, layers, layout", V_SPLITS, ids=[" ".join(row[0])[2:30]
+                                                                  for row in V_SPLITS])
 @pytest.mark.parametrize("name", ["zb-v", "dualpipev"])
-def test_v_layouts_refuse_megatrons_loop_splits_and_point_to_a_layout_string(
-        monkeypatch, name, flags, named):
-    args = _megatron_args(monkeypatch, ["--pipeline-schedule", name,
+def test_v_layouts_apply_megatrons_split_flags_to_the_first_and_last_stage(
+        monkeypatch, name, flags, layers, layout):
+    """Megatron's first/last-stage split flags under a V schedule (stages 0 and 2p-1 both on
+    rank 0): the arguments get the equivalent layout string in their place (the flags
+    cleared, so Megatron's TransformerConfig builds the string), and its stages are V stage
+    0 and 2p-1 as the flags say."""
+    from megatron_pp_ext.integration.stage_layers import stage_layers
+
+    args = _megatron_args(monkeypatch, ["--pipeline-schedule", name, "--num-layers", layers,
+                                        "--num-virtual-stages-per-pipeline-rank", "2", *flags])
+    assert install_from_args(args)
+    assert args.pipeline_model_parallel_layout == layout
+    assert " ".join(args.pp_v_split_flags) == " ".join(flags)  # what plan's note names
+    assert (args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers,
+            args.account_for_embedding_in_pipeline_split,
+            args.account_for_loss_in_pipeline_split) == (None, None, False, False)
+    stages = stage_layers(args, 4, 2)  # Megatron's TransformerConfig parses the string
+    decoders = [stage.decoder for stage in stages]
+    assert sum(decoders) == int(layers)
+    if "--decoder-first-pipeline-num-layers" in flags:
+        assert decoders[0] == int(flags[flags.index("--decoder-first-pipeline-num-layers") + 1])
+    if "--decoder-last-pipeline-num-layers" in flags:
+        assert decoders[-1] == int(flags[flags.index("--decoder-last-pipeline-num-layers") + 1])
+    # an account-for flag: its stage holds one decoder layer less than the others
+    if "--account-for-embedding-in-pipeline-split" in flags:
+        assert decoders[0] == decoders[1] - 1
+    if "--account-for-loss-in-pipeline-split" in flags:
+        assert decoders[-1] == decoders[1] - 1
+    assert stages[0].embedding and stages[-1].loss
+
+
+@pytest.mark.parametrize("flags, layers, words", [
+    (["--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"], "8",
+     "--num-layers 8 plus the embedding and the loss counted as layers (10) must divide evenly "
+     "over the 8 stages"),
+    (["--decoder-first-pipeline-num-layers", "2", "--decoder-last-pipeline-num-layers", "2"],
+     "8", "the other 6 stages must share the remaining 4 of --num-layers 8 evenly"),
+])
+def test_v_layouts_refuse_split_flags_that_do_not_divide(monkeypatch, flags, layers, words):
+    args = _megatron_args(monkeypatch, ["--pipeline-schedule", "zb-v", "--num-layers", layers,
                                         "--num-virtual-stages-per-pipeline-rank", "2", *flags])
     with pytest.raises(ValueError) as info:
         install_from_args(args)
-    assert f"cannot honour {named}" in str(info.value)
-    assert "--pipeline-model-parallel-layout" in str(info.value)
+    assert words in str(info.value)
+    assert "--pipeline-model-parallel-layout" in str(info.value)  # the way out
 
 
 @pytest.mark.parametrize("name", ["zb-v", "dualpipev"])

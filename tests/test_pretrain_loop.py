@@ -221,15 +221,59 @@ def test_layout_strings_under_v_layouts_give_each_stage_the_strings_layers(
     _check_run(out, f"ScheduleFunction({schedule!r})")
     ref = _pretrain(extra=[LAYOUT, merged] if merged else [])
     _check_run(ref, MEGATRON_1F1B)
-    stages = layout.split("|")
+    _assert_v_stages_hold(out, ref, layout)
+
+
+def _assert_v_stages_hold(out, ref, layout):
+    """V stage s of ``out`` holds the layout string's stage s (its decoder layers by global
+    number), ``ref`` (Megatron's 1F1B, rank q) holds V stages 2q and 2q+1 together, parameter
+    for parameter, and ``out`` trains as ``ref``."""
+    from megatron.core.transformer.pipeline_parallel_layer_layout import (
+        PipelineParallelLayerLayout,
+    )
+
+    stages = ["".join(kind.name[0] for kind in stage)  # Megatron's own reading of the string
+              for stage in PipelineParallelLayerLayout.parse_str_to_list(layout)]
     assert [layers for _, layers in out["stages"].values()] == [
-        [1 + sum(s.count("t") for s in stages[:i]) + k for k in range(stage.count("t"))]
+        [1 + sum(s.count("d") for s in stages[:i]) + k for k in range(stage.count("d"))]
         for i, stage in enumerate(stages)]
     for q, (params, layers) in ref["stages"].items():  # 1F1B's rank q = V stages 2q, 2q+1
         pair = [out["stages"][2 * q], out["stages"][2 * q + 1]]
         assert layers == pair[0][1] + pair[1][1]
         assert params == pair[0][0] + pair[1][0]
     assert_v_trains_as(out, ref)
+
+
+# (schedule, Megatron's split flags, the layout string the V layout builds, 1F1B's flags for
+# the same model: V stages merged pairwise)
+V_SPLITS = [
+    ("zb-v", ["--num-layers", "6", *ACCOUNT], "Et|tt|tt|tL", ["--num-layers", "6", *ACCOUNT]),
+    ("dualpipev", ["--decoder-first-pipeline-num-layers", "1",
+                   "--decoder-last-pipeline-num-layers", "3"], "Et|tt|tt|t*3L", list(FIRST_LAST)),
+]
+
+
+@pytest.mark.parametrize("schedule,flags,layout,merged", V_SPLITS,
+                         ids=[row[0] for row in V_SPLITS])
+def test_megatrons_split_flags_under_v_layouts_place_the_first_and_last_stage(
+        schedule, flags, layout, merged):
+    """--account-for-embedding/loss-in-pipeline-split and --decoder-first/last-pipeline-num-
+    layers under a V schedule apply to V stage 0 and 2p-1 (both on rank 0): the drop-in builds
+    the equivalent layout string (the one ``plan`` shows) and trains as Megatron's 1F1B over
+    the same model (the account-for flags themselves, for the first split)."""
+    from megatron_pp_ext.integration.pretrain_plan import plan_pretrain
+
+    argv = pretrain_argv(pp=2, dp=2, extra=["--num-virtual-stages-per-pipeline-rank", "2",
+                                            *flags])
+    planned = plan_pretrain(argv, schedule=schedule, world_size=4)
+    assert planned.to_dict()["pipeline_model_parallel_layout"] == layout
+    assert any(f"the drop-in builds --pipeline-model-parallel-layout '{layout}'" in note
+               for note in planned.notes)
+    out = _pretrain(schedule=schedule, vp=2, extra=flags)
+    _check_run(out, f"ScheduleFunction({schedule!r})")
+    ref = _pretrain(extra=merged)
+    _check_run(ref, MEGATRON_1F1B)
+    _assert_v_stages_hold(out, ref, layout)
 
 
 # ------------------------------------------------------------------ multi-token prediction (issue 41)

@@ -43,3 +43,22 @@ def test_select_keeps_nvidias_choice_for_the_70b_run_among_those_that_fit():
     assert fits == {"interleaved": 5, "1f1b": 1}  # zb-h2 holds too many microbatches
     assert [plan.name for plan in selection.too_big] == ["zb-h2"]
     assert selection.best.name == "interleaved"
+
+
+@pytest.mark.parametrize("schedule", ["zb-v", "dualpipev"])
+def test_the_405b_run_under_a_v_schedule_keeps_its_split_on_the_first_and_last_stage(schedule):
+    """The 405B recipe's --account-for-embedding/loss-in-pipeline-split under a V schedule
+    (v=2: 16 stages of 126 layers + the embedding + the loss, 8 slots each): the embedding's
+    and the loss's stage hold 7 decoder layers, the others 8, and the plan names the layout
+    string the drop-in builds (before issue 42 the V schedules refused the recipe)."""
+    run = dataclasses.replace(
+        RUNS[1], schedule=schedule,
+        argv=RUNS[1].argv.replace("--num-virtual-stages-per-pipeline-rank 8",
+                                  "--num-virtual-stages-per-pipeline-rank 2"))
+    plan, per_token = planned(run)
+    assert [stage.decoder for stage in plan.stages] == [7] + [8] * 14 + [7]
+    assert plan.to_dict()["pipeline_model_parallel_layout"] == "Et*7|(t*8|)*14,t*7L"
+    assert any("--account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split,"
+               " applied to the first and the last V stage" in note for note in plan.notes)
+    assert plan.memory[0].static < plan.memory[1].static  # rank 0: 14 layers, the others 16
+    assert per_token == pytest.approx(run.flops_per_token, rel=0.03)

@@ -55,7 +55,7 @@ from ..schedules import (AUTO, AUTO_LAYOUT, REGISTRY, SHAPING_OPTIONS, ScheduleS
                          schedule_layout, schedule_names, takes_option)
 from .model_chunks import model_chunks as _model_chunks
 from .options import ENV_SCHEDULE, PipelineOptions
-from .stage_layers import stage_layers
+from .stage_layers import STAGE_SPLIT_FLAGS, stage_layers, stage_split_flags, v_split_layout
 
 GROUP_TITLE = "pipeline schedule (megatron-pp-ext)"
 
@@ -208,23 +208,24 @@ def _one_chunk_fix(args: Any) -> str:
     return f"remove {source} (or use --pipeline-schedule interleaved)"
 
 
-#: Megatron's uneven splits that count *loop* positions (the first stage on rank 0, the last on
-#: rank p-1); the V layout has both on rank 0, so only a layout string can place its layers.
-_LOOP_SPLIT_FLAGS = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
-                     "account_for_embedding_in_pipeline_split",
-                     "account_for_loss_in_pipeline_split")
-
-
-def _refuse_loop_splits(name: str, args: Any) -> None:
-    given = [f"--{flag.replace('_', '-')}" for flag in _LOOP_SPLIT_FLAGS
-             if getattr(args, flag, None) not in (None, False)]
-    if given:
-        raise ValueError(
-            f"--pipeline-schedule {name} (V layout: rank r holds stages r and 2p-1-r, so the "
-            f"first and the last stage are both on rank 0) cannot honour {' / '.join(given)}: "
-            "Megatron applies it to the first and the last pipeline *rank* of its loop layout. "
-            "Give every stage's layers with --pipeline-model-parallel-layout instead (stage s "
-            "of the string is V stage s, e.g. 'Et|tt|tt|tL' at pp 2), or use a loop schedule")
+def _place_splits_on_v_stages(name: str, args: Any, pp: int) -> None:
+    """Megatron's first/last-stage split flags under a V schedule: Megatron would apply them
+    to its loop positions (the first and the last pipeline *rank*), the V layout's first and
+    last stage are both on rank 0. Their intent carries over to V stages 0 and 2p-1
+    (``stage_layers.v_split_layout``): the arguments get the equivalent layout string in
+    their place, which every later reader (the model's ``TransformerConfig``, ``plan``) builds
+    from. ValueError naming the numbers when the layers do not divide."""
+    try:
+        layout = v_split_layout(args, pp)
+    except ValueError as exc:
+        raise ValueError(f"--pipeline-schedule {name} (V layout: rank r holds stages r and "
+                         f"2p-1-r): {exc}") from None
+    if layout is None:
+        return
+    args.pp_v_split_flags = stage_split_flags(args)  # what the string replaced, for plan
+    for attr, _ in STAGE_SPLIT_FLAGS:
+        setattr(args, attr, False if attr.startswith("account_for") else None)
+    args.pipeline_model_parallel_layout = layout
 
 
 def _refuse_mtp_off_the_last_stage(name: str, args: Any, pp: int) -> None:
@@ -304,7 +305,7 @@ def _chunks_needed(name: str, spec: ScheduleSpec, args: Any, pp: int,
         else:
             how = ("add --num-virtual-stages-per-pipeline-rank 2: the V layout puts stages r "
                    "and 2p-1-r on rank r, two chunks per rank")
-        _refuse_loop_splits(name, args)
+        _place_splits_on_v_stages(name, args, pp)
         _refuse_mtp_off_the_last_stage(name, args, pp)
     elif spec.allowed_chunks(1):
         need, how = 1, _one_chunk_fix(args)
@@ -442,7 +443,7 @@ def _file_options_from_args(path: str, args: Any) -> dict:
             f"--pp-schedule-chunks {asked} does not fit --pipeline-schedule {path}, which places "
             f"{v} stage(s) on each rank: drop --pp-schedule-chunks")
     if layout == "v":
-        _refuse_loop_splits(path, args)
+        _place_splits_on_v_stages(path, args, pp)
         _refuse_mtp_off_the_last_stage(path, args, pp)
     built = _model_chunks(args)
     if built != v:
@@ -481,6 +482,10 @@ def install_from_args(args: Any) -> bool:
     options = schedule_options_from_args(args)
     if options is None:
         return False
+    if getattr(args, "pp_v_split_flags", None) and getattr(args, "rank", 0) == 0:
+        print(f"megatron-pp-ext: {' '.join(args.pp_v_split_flags)}, applied to the first and "
+              f"the last V stage: building --pipeline-model-parallel-layout "
+              f"'{args.pipeline_model_parallel_layout}'", flush=True)
     from .install import install  # lazily: install() patches megatron.core / megatron.training
 
     install(**options)

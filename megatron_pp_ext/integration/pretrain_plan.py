@@ -40,7 +40,7 @@ from .plan_report import report as plan_report
 from .pretrain_args import (Sizes, derive_sizes, parse_pretrain_args, required_arg,
                             split_launcher)
 from .stage_flops import per_stage_seconds
-from .stage_layers import StageLayers, stage_layers, uneven_flags
+from .stage_layers import StageLayers, layout_string, stage_layers, uneven_flags
 from .static_memory import bytes_per_param, stage_params
 
 #: The plugin's name for Megatron's own schedule, by chunks per rank.
@@ -135,6 +135,8 @@ class PretrainPlan:
             "world_size_from": self.world_from, "global_batch": self.global_batch,
             "micro_batch": self.micro_batch, "layout": self.layout,
             "num_layers": self.num_layers,
+            # the stages' layers as Megatron's string (what Megatron builds with it)
+            "pipeline_model_parallel_layout": layout_string(self.stages),
             # per stage: stages[s]["decoder_layers"]; this is the most of them (an uneven split)
             "largest_stage_decoder_layers": self.layers_per_stage,
             "stages": [self._stage_dict(s) for s in range(len(self.stages))],
@@ -193,6 +195,10 @@ def plan_pretrain(argv: Sequence[str], schedule: str | None = None,
     args.data_parallel_size = sizes.dp  # as validate_args sets it: a schedule file's m is checked
     options = schedule_options_from_args(args)  # ValueError naming the flag to add or drop
     name = options["schedule"]
+    if getattr(args, "pp_v_split_flags", None):  # a V schedule put them in a layout string
+        notes.append(f"{' '.join(args.pp_v_split_flags)}, applied to the first and the last "
+                     "V stage (both on rank 0): the drop-in builds --pipeline-model-parallel-"
+                     f"layout '{args.pipeline_model_parallel_layout}'")
     file_schedule, layout, v = _schedule_source(name, options, sizes)
     num_layers = required_arg(args, "num_layers", "--num-layers")
     stages = _stages(args, name, num_layers, sizes.pp, v, layout)

@@ -7,6 +7,10 @@ flags (``--decoder-first-pipeline-num-layers``, ``--decoder-last-pipeline-num-la
 ``get_num_layers_to_build`` (or the parsed layout string) gives each (pipeline rank, virtual
 stage) its decoder layers. A layout Megatron would refuse is refused with Megatron's message.
 
+Under the V layout (stages r and 2p-1-r on rank r) Megatron's split flags keep their intent,
+applied to the first and the last *stage* (:func:`v_split_layout`): the plugin turns them into
+the equivalent ``--pipeline-model-parallel-layout`` string, which Megatron then builds.
+
 Stage ``s`` (model order, as the schedule IR numbers stages) is Megatron's loop position
 (pipeline rank ``s mod p``, virtual stage ``s // p``). That holds for the V layout too: the
 plugin builds V stage ``s`` at that loop position (``v_layout_models``), so a layout string's
@@ -52,6 +56,11 @@ class StageLayers:
         return "+".join(parts) or "(empty)"
 
 
+#: Megatron's splits that name the first and the last pipeline stage's share (the attribute,
+#: the flag); under the V layout they apply to V stages 0 and 2p-1 (:func:`v_split_layout`).
+STAGE_SPLIT_FLAGS = UNEVEN_FLAGS[:2] + UNEVEN_FLAGS[3:]
+
+
 def uneven_flags(args: Any) -> list[str]:
     """The uneven-split flags the arguments set, as the user spelled them."""
     return [flag for attr, flag in UNEVEN_FLAGS if getattr(args, attr, None) not in (None, False)]
@@ -82,6 +91,97 @@ def stage_layers(args: Any, pp: int, chunks: int) -> list[StageLayers]:
                          f"--num-layers is {config.num_layers}: make the layout flags add up "
                          "to --num-layers")
     return stages
+
+
+def stage_split_flags(args: Any) -> list[str]:
+    """The first/last-stage split flags the arguments set, with their values."""
+    given = []
+    for attr, flag in STAGE_SPLIT_FLAGS:
+        value = getattr(args, attr, None)
+        if value not in (None, False):
+            given.append(flag if value is True else f"{flag} {value}")
+    return given
+
+
+def v_split_layout(args: Any, pp: int) -> str | None:
+    """The ``--pipeline-model-parallel-layout`` string that applies the arguments' first and
+    last-stage split flags to the V layout's 2p stages, or None when none is set.
+
+    The flags keep the meaning Megatron gives them for the first and the last stage, applied to
+    V stage 0 (the embedding's) and V stage 2p-1 (the loss's), both on rank 0:
+
+    - ``--account-for-embedding-in-pipeline-split`` / ``--account-for-loss-in-pipeline-split``:
+      the embedding (the loss) counts as one layer of its stage, and the decoder layers plus
+      those fill the 2p stages evenly (Megatron's rule at v chunks, with 2p stages);
+    - ``--decoder-first-pipeline-num-layers F`` / ``--decoder-last-pipeline-num-layers L``:
+      stage 0 holds F decoder layers, stage 2p-1 holds L, the others share the rest evenly.
+
+    MTP layers stay on the last stage, before the loss (where Megatron puts them without a
+    string). ValueError with the numbers and the fix when the layers do not divide."""
+    given = stage_split_flags(args)
+    if not given:
+        return None
+    stages, layers = 2 * pp, int(args.num_layers)
+    first = getattr(args, "decoder_first_pipeline_num_layers", None)
+    last = getattr(args, "decoder_last_pipeline_num_layers", None)
+    embedding = bool(getattr(args, "account_for_embedding_in_pipeline_split", False))
+    loss = bool(getattr(args, "account_for_loss_in_pipeline_split", False))
+    fix = ("change --num-layers or the flags, or give every stage's layers with "
+           "--pipeline-model-parallel-layout (stage s of the string is V stage s)")
+    if (first or last) and (embedding or loss):
+        raise ValueError(f"{' '.join(given)}: Megatron takes either the first/last stage's "
+                         "layer counts or the account-for flags, not both: keep one kind")
+    if first is not None or last is not None:
+        middle_stages = stages - (first is not None) - (last is not None)
+        middle = layers - (first or 0) - (last or 0)
+        if middle <= 0 or middle % middle_stages:  # Megatron's rule for its middle stages
+            raise ValueError(
+                f"{' '.join(given)} under the V layout ({stages} stages at pp {pp}): the "
+                f"first and the last stage hold those layers, and the other {middle_stages} "
+                f"stages must share the remaining {middle} of --num-layers {layers} evenly: "
+                f"{fix}")
+        counts = [middle // middle_stages] * stages
+        if first is not None:
+            counts[0] = first
+        if last is not None:
+            counts[-1] = last
+    else:
+        slots = layers + embedding + loss
+        if slots % stages:
+            raise ValueError(
+                f"{' '.join(given)} under the V layout ({stages} stages at pp {pp}): "
+                f"--num-layers {layers} plus the embedding and the loss counted as layers "
+                f"({slots}) must divide evenly over the {stages} stages: {fix}")
+        counts = [slots // stages] * stages
+        counts[0] -= embedding
+        counts[-1] -= loss
+    mtp = int(getattr(args, "mtp_num_layers", None) or 0)
+    return layout_string([StageLayers(sum(counts[:s]), n, embedding=s == 0,
+                                      loss=s == stages - 1, mtp=mtp if s == stages - 1 else 0)
+                          for s, n in enumerate(counts)])
+
+
+def layout_string(stages: Sequence[StageLayers]) -> str:
+    """Megatron's ``--pipeline-model-parallel-layout`` string for ``stages`` (model order),
+    with its shorthand: ``t*7`` for seven decoder layers, ``(t*8|)*14`` for 14 equal stages
+    in a row: ``Et*7|(t*8|)*14,t*7L``."""
+    def one(stage: StageLayers) -> str:
+        decoder = "t" * stage.decoder if stage.decoder < 3 else f"t*{stage.decoder}"
+        mtp = "m" * stage.mtp if stage.mtp < 3 else f"m*{stage.mtp}"
+        return ("E" if stage.embedding else "") + decoder + mtp + ("L" if stage.loss else "")
+
+    parts = [one(stage) for stage in stages]
+    out, i = [], 0
+    while i < len(parts):
+        run = 1
+        while i + run < len(parts) and parts[i + run] == parts[i]:
+            run += 1
+        if run >= 3 and i + run < len(parts):  # a run before the last stage: (x|)*n,
+            out.append(f"({parts[i]}|)*{run},")
+        else:
+            out.extend(p + "|" for p in parts[i:i + run])
+        i += run
+    return "".join(out)[:-1] if out[-1].endswith("|") else "".join(out)
 
 
 def describe(stages: Sequence[StageLayers]) -> str:
@@ -136,4 +236,5 @@ def _config(TransformerConfig, args: Any, pp: int, chunks: int, layout):
     )
 
 
-__all__ = ["StageLayers", "UNEVEN_FLAGS", "describe", "stage_layers", "uneven_flags"]
+__all__ = ["STAGE_SPLIT_FLAGS", "StageLayers", "UNEVEN_FLAGS", "describe", "layout_string",
+           "stage_layers", "stage_split_flags", "uneven_flags", "v_split_layout"]
