@@ -29,7 +29,9 @@ fi
 if [ ! -x .venv/bin/python ]; then
   "$(find_python)" -m venv .venv
 fi
-.venv/bin/python -m pip install -q --disable-pip-version-check -r requirements.txt 2>&1 \
+# --no-compile: pip's byte-compiling of every installed module (torch's thousands) took half
+# the install's 80 s; Python compiles the modules a run imports, once, on first import
+.venv/bin/python -m pip install -q --no-compile --disable-pip-version-check -r requirements.txt 2>&1 \
   | grep -v "is ignored: it is neither a file nor a directory" || true
 .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e . 2>&1 \
   | grep -v "is ignored: it is neither a file nor a directory" || true
