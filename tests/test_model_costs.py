@@ -139,13 +139,22 @@ def test_a_layout_megatron_refuses_is_refused_with_its_rule(flags, words):
         plan_pretrain(LLAMA_70B + flags, schedule="1f1b", world_size=128)
 
 
-def test_the_v_layout_refuses_the_loop_flags():
-    flags = PP4 + ["--decoder-first-pipeline-num-layers", "9",
-                   "--decoder-last-pipeline-num-layers", "9",
-                   "--num-virtual-stages-per-pipeline-rank", "2"]
-    with pytest.raises(ValueError, match="Give every stage's layers with "
-                       "--pipeline-model-parallel-layout"):
-        plan_pretrain(LLAMA_70B + flags, schedule="zb-v", world_size=128)
+def test_the_v_layout_places_the_loop_flags_on_its_first_and_last_stage():
+    """Under zb-v (8 stages at pp 4, stages 0 and 7 on rank 0) --decoder-first/last-pipeline-
+    num-layers give stage 0 and stage 7 their layers and the other six share the rest; a rest
+    that does not divide is refused with the numbers."""
+    flags = PP4 + ["--num-virtual-stages-per-pipeline-rank", "2"]
+    plan = plan_pretrain(LLAMA_70B + flags + ["--decoder-first-pipeline-num-layers", "8",
+                                              "--decoder-last-pipeline-num-layers", "6"],
+                         schedule="zb-v", world_size=128)
+    assert [stage.decoder for stage in plan.stages] == [8] + [3] * 6 + [6]
+    assert [list(plan.schedule.stages_of(r)) for r in (0, 3)] == [[0, 7], [3, 4]]
+    assert plan.to_dict()["pipeline_model_parallel_layout"] == "Et*8|(t*3|)*6,t*6L"
+    with pytest.raises(ValueError, match="the other 6 stages must share the remaining 14 of "
+                       "--num-layers 32 evenly"):
+        plan_pretrain(LLAMA_70B + flags + ["--decoder-first-pipeline-num-layers", "9",
+                                           "--decoder-last-pipeline-num-layers", "9"],
+                      schedule="zb-v", world_size=128)
 
 
 # ------------------------------------------------------------------ measured bytes
