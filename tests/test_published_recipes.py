@@ -8,6 +8,7 @@ still says so; ``select`` keeps NVIDIA's own choice for the 70B run among those 
 from __future__ import annotations
 
 import dataclasses
+import shlex
 
 import pytest
 
@@ -62,3 +63,54 @@ def test_the_405b_run_under_a_v_schedule_keeps_its_split_on_the_first_and_last_s
                " applied to the first and the last V stage" in note for note in plan.notes)
     assert plan.memory[0].static < plan.memory[1].static  # rank 0: 14 layers, the others 16
     assert per_token == pytest.approx(run.flops_per_token, rel=0.03)
+
+
+def test_select_trades_recompute_for_schedule_on_the_70b_run_at_tp_2():
+    """At tp 2 the 70B recipe fits under 1F1B only with full recompute of most of each
+    stage's layers; v-min (about half of 1F1B's activations) fits with none, and its step is
+    shorter by more than any bubble: the search puts it first and prints its flags. The
+    recompute is priced from its FLOPs: block n adds n of a stage's L layers' forward to its
+    backward."""
+    from megatron_pp_ext.integration.pretrain_select import flags_to_set, select_pretrain
+
+    run = RUNS[0]
+    argv = shlex.split(run.argv.replace("--tensor-model-parallel-size 4",
+                                        "--tensor-model-parallel-size 2"))
+    selection = select_pretrain(argv, gpu=run.gpu, world_size=run.world_size,
+                                candidates=["1f1b", "v-min"], search_recompute=True)
+    rows = {plan.name: plan for plan in selection.ranked}
+    assert [plan.name for plan in selection.ranked] == ["v-min", "1f1b"]
+    assert rows["v-min"].recompute_flags == []
+    one_f_one_b = rows["1f1b"].recompute_flags
+    assert one_f_one_b[:4] == ["--recompute-granularity", "full", "--recompute-method", "block"]
+    n = int(one_f_one_b[-1])
+    assert 1 <= n < 10 and rows["1f1b"].activations.recompute == "full"
+    assert flags_to_set(selection, selection.best) == [
+        "--pipeline-schedule", "v-min", "--num-virtual-stages-per-pipeline-rank", "2"]
+    # the cheapest that fits: one layer fewer recomputed does not fit
+    fewer = select_pretrain(argv[:] + one_f_one_b[:-1] + [str(n - 1)], gpu=run.gpu,
+                            world_size=run.world_size, candidates=["1f1b"])
+    assert fewer.too_big and not fewer.ranked
+    plain = select_pretrain(argv, gpu=run.gpu, world_size=run.world_size,
+                            candidates=["1f1b"]).too_big[0]
+    middle = 3  # 10 decoder layers, no embedding nor loss
+    added = rows["1f1b"].stage_costs["t_i"][middle] - plain.stage_costs["t_i"][middle]
+    assert added == pytest.approx(n / 10 * plain.stage_costs["t_f"][middle], rel=1e-9)
+
+
+def test_scale_out_plans_the_same_model_at_n_times_the_data_parallel_size():
+    from megatron_pp_ext.integration.pretrain_select import select_pretrain
+
+    run = RUNS[0]
+    selection = select_pretrain(run.args, gpu=run.gpu, world_size=run.world_size,
+                                candidates=["1f1b", "interleaved"], scale_out=8)
+    for plan in selection.ranked + selection.too_big:
+        assert (plan.world_size, plan.dp, plan.m) == (512, 16, 16)
+    assert {plan.v for plan in selection.ranked if plan.name == "interleaved"} == {5}
+
+
+def test_recompute_settings_go_from_none_to_every_layer():
+    from megatron_pp_ext.integration.pretrain_select import recompute_label, recompute_settings
+
+    assert [recompute_label(flags) for flags in recompute_settings(3)] == [
+        "none", "selective", "full block 1", "full block 2", "full uniform 1"]

@@ -250,7 +250,9 @@ def select_on_model(args, argv: list[str], candidates):
 
     selection = select_pretrain(argv, gpu=args.gpu, world_size=args.world_size,
                                 gpu_memory=args.gpu_memory, efficiency=args.efficiency,
-                                candidates=candidates, reserve=args.reserve)
+                                candidates=candidates, reserve=args.reserve,
+                                search_recompute=getattr(args, "search_recompute", False),
+                                scale_out=getattr(args, "scale_out", 1))
     text = (json.dumps(selection_dict(selection), indent=1) if args.format == "json" else
             selection_report(selection))
     return selection, text

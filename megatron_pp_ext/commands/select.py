@@ -45,6 +45,13 @@ def register(subparsers) -> None:
     parser.add_argument("--format", choices=FORMATS, default="text")
     add_megatron_args(parser, "each candidate planned on its model, layout and GPU (as plan "
                       "does), ranked among those whose every rank fits in memory")
+    parser.add_argument("--search-recompute", action="store_true",
+                        help="with -- ARGS: plan each candidate at the cheapest activation "
+                        "recompute that fits (none, selective, full of the first n layers of "
+                        "each chunk, of every layer), priced from the recomputed FLOPs")
+    parser.add_argument("--scale-out", type=int, default=1, metavar="N",
+                        help="with -- ARGS: the same model at N times the data-parallel size "
+                        "(the global batch fixed: N times fewer microbatches per pipeline)")
     parser.set_defaults(func=run)
 
 

@@ -100,6 +100,9 @@ class PretrainPlan:
     efficiency: float | None = None
     costs_text: str = ""
     notes: list[str] = field(default_factory=list)
+    #: the recompute flags ``select --search-recompute`` planned this with (None: the
+    #: arguments' own)
+    recompute_flags: list[str] | None = None
 
     @property
     def p(self) -> int:
@@ -212,7 +215,8 @@ def plan_pretrain(argv: Sequence[str], schedule: str | None = None,
         notes.append(shape.vocab_note)
     activations = activation_estimate(args, stages, shape)
     device = gpu_named(gpu) if gpu else None
-    stage_costs = (per_stage_seconds(shape, stages, activations.recompute, device, efficiency)
+    stage_costs = (per_stage_seconds(shape, stages, activations.recompute, device, efficiency,
+                                     recomputed_layers(args))
                    if device else None)
     if costs is None and stage_costs is not None:
         costs, unit = CostModel.for_stages(**stage_costs), "s"
@@ -236,6 +240,14 @@ def plan_pretrain(argv: Sequence[str], schedule: str | None = None,
         peak_in_flight=list(peak_activations(built)), memory=memory, timeline=timeline,
         static_rule=rule, stage_costs=stage_costs, gpu=device,
         efficiency=efficiency if device else None, costs_text=costs_text, notes=notes)
+
+
+def recomputed_layers(args) -> int | None:
+    """Under ``--recompute-method block``, the decoder layers of each chunk full recompute
+    runs again (``--recompute-num-layers``); None: every layer (``uniform``, the default)."""
+    if getattr(args, "recompute_method", None) == "block":
+        return int(getattr(args, "recompute_num_layers", None) or 1)
+    return None
 
 
 def _rank_memory(args, shape, stages, schedule, activations, sizes: Sizes,

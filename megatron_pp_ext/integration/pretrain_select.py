@@ -7,6 +7,14 @@ zb-h2), the arguments' virtual stages (at least 2) for interleaved, two V chunks
 dualpipev: ``--num-virtual-stages-per-pipeline-rank`` is set accordingly (a
 ``--pipeline-model-parallel-layout`` string fixes the chunks: a candidate that needs others is
 excluded, as is one Megatron's layout flags rule out, with the plan's reason).
+
+``search_recompute``: each candidate also at every activation recompute a user would set,
+cheapest first (none, selective, full recompute of the first n layers of each chunk with
+``--recompute-method block``, n = 1, 2, ..., then every layer, ``uniform`` 1): the first that
+fits is the candidate's row, its recompute priced from its FLOPs (``stage_flops``: the
+recomputed layers' forward runs again before each backward). Interleaved is then planned at every v that splits a rank's layers evenly. ``scale_out`` N: the same model
+at N times the data-parallel size (the global batch fixed, so N times fewer microbatches per
+pipeline). The best row's changes to the command line: :func:`flags_to_set`.
 """
 
 from __future__ import annotations
@@ -24,11 +32,17 @@ _VIRTUAL_FLAGS = ("--num-virtual-stages-per-pipeline-rank",
                   "--num-layers-per-virtual-pipeline-stage")
 
 
+#: Megatron's recompute flags, each with its value when it takes one
+_RECOMPUTE_FLAGS = {"--recompute-granularity": 1, "--recompute-method": 1,
+                    "--recompute-num-layers": 1, "--recompute-activations": 0}
+
+
 @dataclass
 class PretrainSelection:
     ranked: list[PretrainPlan]  # fastest first, every rank fits
     too_big: list[PretrainPlan]  # planned, some rank does not fit
     excluded: list[tuple[str, str]] = field(default_factory=list)  # (name, why)
+    argv: list[str] = field(default_factory=list)  # the arguments as given
 
     @property
     def best(self) -> PretrainPlan | None:
@@ -38,7 +52,8 @@ class PretrainSelection:
 def select_pretrain(argv: Sequence[str], gpu: str | None, world_size: int | None = None,
                     gpu_memory: int | None = None, efficiency: float = DEFAULT_EFFICIENCY,
                     candidates: Sequence[str] | None = None,
-                    reserve: int = DEFAULT_RESERVE_BYTES) -> PretrainSelection:
+                    reserve: int = DEFAULT_RESERVE_BYTES, search_recompute: bool = False,
+                    scale_out: int = 1) -> PretrainSelection:
     """Plan every candidate (default: every registered schedule) for ``argv`` on ``gpu``
     (its FLOPs price the stages; its memory, or ``gpu_memory`` bytes, is the budget) and rank
     them. ValueError when the budget or the costs are unknown."""
@@ -46,31 +61,119 @@ def select_pretrain(argv: Sequence[str], gpu: str | None, world_size: int | None
         raise ValueError("select with Megatron-LM's arguments prices each stage from its FLOPs: "
                          "give --gpu NAME (H100, H200, B200), and --gpu-memory SIZE for "
                          "another capacity")
+    if scale_out < 1:
+        raise ValueError(f"--scale-out {scale_out}: give how many times the data-parallel "
+                         "size to plan for, N >= 1")
     argv = [str(a) for a in argv]
+    if scale_out > 1 or search_recompute:
+        given = plan_pretrain(argv, world_size=world_size)
+        world_size = scale_out * given.world_size  # the job's, times N
+    interleaved_chunks: tuple[int | None, ...] = (None,)  # the arguments' own
+    if search_recompute:  # interleaved at every v that splits each rank's layers evenly
+        per_rank = given.num_layers // given.pp if given.num_layers % given.pp == 0 else 0
+        interleaved_chunks = tuple(v for v in range(2, per_rank + 1) if per_rank % v == 0)
     layouts = candidates_by_layout()
     names = ([str(n).strip().lower() for n in candidates] if candidates else
              list(dict.fromkeys(n for names in layouts.values() for n in names)))
-    ranked, too_big, excluded = [], [], []
-    for name, chunks in ((n, c) for n in names for c in _chunks_for(n, layouts)):
+    selection = PretrainSelection([], [], argv=argv)
+    for name, chunks in ((n, c) for n in names
+                         for c in _chunks_for(n, layouts, interleaved_chunks)):
+        chunked = _with_chunks(argv, chunks)
+
+        def planned(candidate_argv):
+            return plan_pretrain(candidate_argv, schedule=name, world_size=world_size, gpu=gpu,
+                                 gpu_memory=gpu_memory, efficiency=efficiency, reserve=reserve)
+
         try:
-            plan = plan_pretrain(_with_chunks(argv, chunks), schedule=name,
-                                 world_size=world_size, gpu=gpu, gpu_memory=gpu_memory,
-                                 efficiency=efficiency, reserve=reserve)
+            plan = planned(chunked)
+            if search_recompute:
+                plan = _cheapest_recompute_that_fits(plan, chunked, planned)
         except ValueError as exc:
-            excluded.append((name, str(exc)))
+            selection.excluded.append((name, str(exc)))
             continue
-        (ranked if all(rank.fits for rank in plan.memory) else too_big).append(plan)
-    ranked.sort(key=lambda plan: plan.timeline.makespan)
-    too_big.sort(key=lambda plan: max(rank.total for rank in plan.memory))
-    return PretrainSelection(ranked, too_big, excluded)
+        fits = all(rank.fits for rank in plan.memory)
+        (selection.ranked if fits else selection.too_big).append(plan)
+    selection.ranked.sort(key=lambda plan: plan.timeline.makespan)
+    selection.too_big.sort(key=lambda plan: max(rank.total for rank in plan.memory))
+    return selection
 
 
-def _chunks_for(name: str, layouts: dict) -> tuple[int | None, ...]:
-    """The chunks per rank the candidate is planned with (None: the arguments' own, for
-    interleaved; zb-auto both ways: the loop layout and the V layout)."""
+def recompute_settings(layers_per_chunk: int) -> list[list[str]]:
+    """Megatron's recompute flags a user would try, cheapest first: none, selective, full
+    recompute of the first n layers of each chunk (n = 1 .. layers - 1), every layer."""
+    full = ["--recompute-granularity", "full", "--recompute-method"]
+    return ([[], ["--recompute-granularity", "selective"]]
+            + [full + ["block", "--recompute-num-layers", str(n)]
+               for n in range(1, layers_per_chunk)]
+            + [full + ["uniform", "--recompute-num-layers", "1"]])
+
+
+def _cheapest_recompute_that_fits(plan, argv, planned):
+    """The candidate at the first recompute setting (cheapest first) whose every rank fits,
+    else at the one that holds the fewest bytes (the last), with its flags."""
+    base, given = _split_recompute(argv)
+    for flags in recompute_settings(plan.layers_per_stage):
+        plan = plan if not flags and not given else planned(base + flags)  # none: planned
+        plan.recompute_flags = flags
+        if all(rank.fits for rank in plan.memory):
+            break
+    return plan
+
+
+def _without_recompute(argv: list[str]) -> list[str]:
+    return _split_recompute(argv)[0]
+
+
+def _split_recompute(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(``argv`` without Megatron's recompute flags, those flags with their values)."""
+    rest, recompute, skip = [], [], 0
+    for token in argv:
+        if skip:
+            skip -= 1
+            recompute.append(token)
+            continue
+        name = token.split("=", 1)[0]
+        if name in _RECOMPUTE_FLAGS:
+            skip = _RECOMPUTE_FLAGS[name] if "=" not in token else 0
+            recompute.append(token)
+            continue
+        rest.append(token)
+    return rest, recompute
+
+
+def recompute_label(flags: list[str]) -> str:
+    """``none``, ``selective``, ``full block 2``, ``full uniform 1``."""
+    if not flags:
+        return "none"
+    values = [flags[i + 1] for i in range(0, len(flags), 2)]
+    return " ".join(values)
+
+
+def flags_to_set(selection: PretrainSelection, plan: PretrainPlan) -> list[str]:
+    """What to add to (or change on) the command line for ``plan``'s row: the schedule, its
+    virtual stages, and the recompute flags when they were searched and differ from the
+    arguments' (``(drop ...)`` where a flag the arguments give must go)."""
+    flags = ["--pipeline-schedule", plan.name]
+    has_virtual = any(token.split("=", 1)[0] in _VIRTUAL_FLAGS for token in selection.argv)
+    if plan.v > 1 and not any(a.startswith("--pipeline-model-parallel-layout")
+                              for a in selection.argv):
+        flags += ["--num-virtual-stages-per-pipeline-rank", str(plan.v)]
+    elif plan.v == 1 and has_virtual:
+        flags.append("(drop the virtual-stage flags)")
+    searched = plan.recompute_flags
+    if searched is not None and searched != _split_recompute(selection.argv)[1]:
+        flags += searched or ["(drop the recompute flags)"]
+    return flags
+
+
+def _chunks_for(name: str, layouts: dict,
+                interleaved: tuple[int | None, ...] = (None,)) -> tuple[int | None, ...]:
+    """The chunks per rank the candidate is planned with (``interleaved`` for the schedules
+    with several loop chunks, None: the arguments' own; zb-auto both ways: the loop layout and
+    the V layout)."""
     ways = tuple(chunks for key, chunks in (("one-chunk", 1), ("v", 2))
                  if name in layouts[key])
-    return ways or (None,)
+    return ways or interleaved or (None,)
 
 
 def _with_chunks(argv: list[str], chunks: int | None) -> list[str]:
@@ -106,21 +209,26 @@ def selection_report(selection: PretrainSelection) -> str:
                   f"budget {human_bytes(first.memory[0].budget)} per rank less a "
                   f"{human_bytes(first.memory[0].reserve)} reserve (--reserve), for weights, "
                   "gradients, optimizer state and activations", ""]
-    header = ("#", "schedule", "v", "step", "vs best", "bubble", "most bytes on a rank",
-              "fits")
+    searched = any(plan.recompute_flags is not None for plan in plans)
+    header = ("#", "schedule", "v") + (("recompute",) if searched else ()) + (
+        "step", "vs best", "bubble", "most bytes on a rank", "fits")
     best = selection.best.timeline.makespan if selection.best else None
     fitting = len(selection.ranked)
-    rows = [(str(i + 1) if i < fitting else "-", plan.name, str(plan.v),
-             f"{plan.timeline.makespan * 1e3:.5g} ms",
-             f"{plan.timeline.makespan / best:.3f}" if best else "-",
-             f"{100 * plan.timeline.bubble_fraction:.1f}%",
-             human_bytes(max(rank.total for rank in plan.memory)),
-             "yes" if i < fitting else "no") for i, plan in enumerate(plans)]
+    rows = [(str(i + 1) if i < fitting else "-", plan.name, str(plan.v))
+            + ((recompute_label(plan.recompute_flags or []),) if searched else ())
+            + (f"{plan.timeline.makespan * 1e3:.5g} ms",
+               f"{plan.timeline.makespan / best:.3f}" if best else "-",
+               f"{100 * plan.timeline.bubble_fraction:.1f}%",
+               human_bytes(max(rank.total for rank in plan.memory)),
+               "yes" if i < fitting else "no") for i, plan in enumerate(plans)]
     widths = [max([len(h)] + [len(row[c]) for row in rows]) for c, h in enumerate(header)]
     lines.append("  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip())
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
     if not selection.ranked:
         lines.append("no schedule fits: see `plan` for each rank's bytes")
+    else:
+        lines += ["", "best, on your command line: "
+                  + " ".join(flags_to_set(selection, selection.best))]
     if selection.excluded:
         lines += ["", "excluded:"] + [f"  {name}: {why}" for name, why in selection.excluded]
     return "\n".join(lines)
@@ -132,11 +240,15 @@ def selection_dict(selection: PretrainSelection) -> dict:
                 "bubble_fraction": plan.timeline.bubble_fraction,
                 "total_bytes": [rank.total for rank in plan.memory],
                 "fits": [rank.fits for rank in plan.memory],
-                "stages": [stage.describe() for stage in plan.stages]}
+                "stages": [stage.describe() for stage in plan.stages],
+                "recompute": (None if plan.recompute_flags is None
+                              else recompute_label(plan.recompute_flags)),
+                "flags_to_set": flags_to_set(selection, plan)}
 
     return {"ranked": [row(plan) for plan in selection.ranked],
             "too_big": [row(plan) for plan in selection.too_big],
             "excluded": [{"schedule": n, "reason": why} for n, why in selection.excluded]}
 
 
-__all__ = ["PretrainSelection", "select_pretrain", "selection_dict", "selection_report"]
+__all__ = ["PretrainSelection", "flags_to_set", "recompute_label", "recompute_settings",
+           "select_pretrain", "selection_dict", "selection_report"]

@@ -36,19 +36,26 @@ class StageFlops:
     i: float
     w: float
     gemm: float  # of f: the weight GEMMs (the fp8 part under --fp8-format)
+    recomputed_gemm: float = 0.0  # of i: the weight GEMMs of a recomputed forward
 
     @property
     def total(self) -> float:
         return self.f + self.i + self.w
 
 
-def stage_flops(shape: "ModelShape", stage: "StageLayers",
-                recompute: str = "none") -> StageFlops:
-    """F, I, W FLOPs of one microbatch through ``stage`` on one of its tp x cp ranks."""
+def stage_flops(shape: "ModelShape", stage: "StageLayers", recompute: str = "none",
+                recomputed_layers: int | None = None) -> StageFlops:
+    """F, I, W FLOPs of one microbatch through ``stage`` on one of its tp x cp ranks.
+    ``recomputed_layers``: under full recompute, how many of the stage's decoder layers run
+    their forward again before the backward (``--recompute-method block``: the first n of
+    each chunk; None: all of them, as ``uniform`` does)."""
     gemm = core = 0.0
-    for layer in stage.layer_ids:
+    recomputed_gemm = recomputed_core = 0.0  # what full recompute runs again
+    for k, layer in enumerate(stage.layer_ids):
         g, c = _layer_flops(shape, shape.moe_layers[layer])
         gemm, core = gemm + g, core + c
+        if recomputed_layers is None or k < recomputed_layers:
+            recomputed_gemm, recomputed_core = recomputed_gemm + g, recomputed_core + c
     t, tokens, h = shape.tp, shape.tokens, shape.hidden
     last_is_moe = bool(shape.moe_layers and shape.moe_layers[-1])
     for _ in range(stage.mtp):  # a transformer layer, its norms and projection, its logits
@@ -59,11 +66,13 @@ def stage_flops(shape: "ModelShape", stage: "StageLayers",
         gemm += 2 * tokens * h * shape.vocab / t
     forward = gemm + core
     backward_input = gemm + 2 * core
-    if recompute == "full":
-        backward_input += forward
-    elif recompute == "selective":
-        backward_input += core
-    return StageFlops(f=forward, i=backward_input, w=gemm, gemm=gemm)
+    if recompute != "full":
+        recomputed_gemm = 0.0
+        recomputed_core = core if recompute == "selective" else 0.0
+    # full: the decoder layers' forward again (the output layer is not in it)
+    backward_input += recomputed_gemm + recomputed_core
+    return StageFlops(f=forward, i=backward_input, w=gemm, gemm=gemm,
+                      recomputed_gemm=recomputed_gemm)
 
 
 def _layer_flops(shape: "ModelShape", moe: bool) -> tuple[float, float]:
@@ -93,18 +102,20 @@ def stage_seconds(flops: StageFlops, gpu: Gpu, efficiency: float, fp8: bool) -> 
     def seconds(total: float, gemm: float) -> float:
         return gemm / gemm_rate + (total - gemm) / other_rate
 
-    return (seconds(flops.f, flops.gemm), seconds(flops.i, flops.gemm),
+    # a recomputed forward runs its GEMMs at the forward's rate (fp8 under --fp8-format)
+    return (seconds(flops.f, flops.gemm), seconds(flops.i, flops.gemm + flops.recomputed_gemm),
             seconds(flops.w, flops.w))
 
 
 def per_stage_seconds(shape: "ModelShape", stages: Sequence["StageLayers"], recompute: str,
-                      gpu: Gpu, efficiency: float) -> dict[str, list[float]]:
+                      gpu: Gpu, efficiency: float,
+                      recomputed_layers: int | None = None) -> dict[str, list[float]]:
     """``{"t_f": [...], "t_i": [...], "t_w": [...]}``, one number per stage, in seconds (what
     ``CostModel.for_stages`` takes)."""
     costs: dict[str, list[float]] = {"t_f": [], "t_i": [], "t_w": []}
     for stage in stages:
-        f, i, w = stage_seconds(stage_flops(shape, stage, recompute), gpu, efficiency,
-                                shape.fp8)
+        f, i, w = stage_seconds(stage_flops(shape, stage, recompute, recomputed_layers), gpu,
+                                efficiency, shape.fp8)
         costs["t_f"].append(f)
         costs["t_i"].append(i)
         costs["t_w"].append(w)
