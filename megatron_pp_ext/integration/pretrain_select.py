@@ -12,9 +12,10 @@ excluded, as is one Megatron's layout flags rule out, with the plan's reason).
 cheapest first (none, selective, full recompute of the first n layers of each chunk with
 ``--recompute-method block``, n = 1, 2, ..., then every layer, ``uniform`` 1): the first that
 fits is the candidate's row, its recompute priced from its FLOPs (``stage_flops``: the
-recomputed layers' forward runs again before each backward). Interleaved is then planned at every v that splits a rank's layers evenly. ``scale_out`` N: the same model
-at N times the data-parallel size (the global batch fixed, so N times fewer microbatches per
-pipeline). The best row's changes to the command line: :func:`flags_to_set`.
+recomputed layers' forward runs again before each backward); interleaved is then planned at
+every v that splits a rank's layers evenly. ``scale_out`` N: the same model at N times the
+data-parallel size (the global batch fixed, so N times fewer microbatches per pipeline). The
+best row's changes to the command line: :func:`flags_to_set`.
 """
 
 from __future__ import annotations
@@ -118,10 +119,6 @@ def _cheapest_recompute_that_fits(plan, argv, planned):
         if all(rank.fits for rank in plan.memory):
             break
     return plan
-
-
-def _without_recompute(argv: list[str]) -> list[str]:
-    return _split_recompute(argv)[0]
 
 
 def _split_recompute(argv: list[str]) -> tuple[list[str], list[str]]:
