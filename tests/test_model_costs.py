@@ -406,3 +406,15 @@ def test_fp8_keeps_the_gemm_inputs_in_fp8(recipe, per_layer):
     fp8 = plan_activation(args).bytes_per_layer
     th = 8192 * 8192
     assert bf16 == 35.5 * th / 8 and fp8 == pytest.approx(per_layer * th / 8, rel=1e-9)
+
+
+def test_activation_offload_is_named_as_not_modelled():
+    """Megatron's --fine-grained-activation-offloading moves the named modules' saved inputs
+    to the CPU; the plan does not model it, and says so next to the bytes it gives."""
+    plan = plan_pretrain(LLAMA_70B + ["--fine-grained-activation-offloading",
+                                      "--offload-modules", "core_attn"],
+                         schedule="1f1b", world_size=128)
+    assert any(note.startswith("--fine-grained-activation-offloading (core_attn) is not "
+                               "modelled") for note in plan.activations.notes)
+    assert plan.activations.bytes_per_layer == plan_pretrain(
+        LLAMA_70B, schedule="1f1b", world_size=128).activations.bytes_per_layer

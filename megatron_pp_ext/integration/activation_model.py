@@ -72,6 +72,10 @@ def activation_estimate(args: Any, stages: Sequence[StageLayers],
     if shape.cp > 1:
         notes.append(f"context parallel {shape.cp}: {shape.seq // shape.cp} tokens per "
                      "sequence per rank")
+    if getattr(args, "fine_grained_activation_offloading", False):
+        modules = ", ".join(getattr(args, "offload_modules", None) or []) or "none named"
+        notes.append(f"--fine-grained-activation-offloading ({modules}) is not modelled: the "
+                     "bytes below include what it moves to the CPU (an upper bound)")
     granularity = getattr(args, "recompute_granularity", None)
     if getattr(args, "recompute_activations", False):
         granularity = "selective"
