@@ -186,7 +186,7 @@ def cli_in_process(*args) -> subprocess.CompletedProcess:
 
 
 def test_cli_plan_prints_the_plan_and_writes_the_timeline(tmp_path):
-    page = tmp_path / "plan.html"
+    page = tmp_path / "out" / "plan.html"  # --out's folder is made as needed
     result = cli("plan", "--schedule", "zb-v", "--world-size", "64", "--out", str(page), "--",
                  *PRETRAIN_ARGS)
     assert result.returncode == 0, result.stderr

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 from ..analysis.costs import (MeasuredCosts, activations_in_v1_units, assume_split,
                               format_counts, load_costs)
@@ -266,3 +268,13 @@ def megatron_argv(args) -> list[str]:
 
 def _size(text: str) -> int:
     return int(_size_float(text))
+
+
+def write_out_file(args, text: str) -> None:
+    """Writes ``--out``'s file (its folders made as needed) and says so: on stdout, or on
+    stderr under ``--format json`` so that stdout stays one JSON document."""
+    path = Path(args.out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text + "\n")
+    print(f"wrote {args.out}", file=sys.stderr if getattr(args, "format", "text") == "json"
+          else sys.stdout)

@@ -11,15 +11,13 @@ activations per rank in v=1 units. ``--out`` writes one HTML page with every tim
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 from ..analysis.costs import ACTIVATION_UNIT, format_counts, format_time
 from ..analysis.render import render_html
 from ..analysis.select import MiB, format_bytes, select_schedules
 from ..schedules import REGISTRY, get_spec, schedule_names
 from .hints import warn_p_exceeds_m
-from .common import (COSTS_HELP, add_cost_args, add_megatron_args, add_size_args,
+from .common import (write_out_file, COSTS_HELP, add_cost_args, add_megatron_args, add_size_args,
                      costs_from_args, describe_costs, megatron_argv, select_on_model)
 
 FORMATS = ("text", "json")
@@ -125,9 +123,7 @@ def _run_pretrain(args, argv: list[str]) -> int:
     if args.out and plans:
         title = (f"p={plans[0].p}, m={plans[0].m}: every schedule on the model, each stage "
                  f"from its FLOPs on the {plans[0].gpu.name} (seconds)")
-        Path(args.out).write_text(render_html([plan.timeline for plan in plans], title=title)
-                                  + "\n")
-        print(f"wrote {args.out}", file=sys.stdout if args.format == "text" else sys.stderr)
+        write_out_file(args, render_html([plan.timeline for plan in plans], title=title))
     return 0
 
 
@@ -172,8 +168,7 @@ def _write_html(args, p: int, m: int, costs, unit: str, measured, timelines: lis
         "the given costs"
     title = (f"p={p}, m={m}: every schedule predicted with {what} "
              f"({'seconds' if unit == 's' else 'cost units t'})")
-    Path(args.out).write_text(render_html(timelines, title=title) + "\n")
-    print(f"wrote {args.out}", file=sys.stdout if args.format == "text" else sys.stderr)
+    write_out_file(args, render_html(timelines, title=title))
 
 
 def _unit_costs(costs) -> bool:

@@ -17,12 +17,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
-from pathlib import Path
 
 from ..analysis.render import render_html
 from ..analysis.simulate import CostModel, simulate
-from .common import (add_cost_args, add_megatron_args, costs_from_args, cost_flags_given,
+from .common import (write_out_file, add_cost_args, add_megatron_args, costs_from_args, cost_flags_given,
                      megatron_argv)
 
 UNITS = ("s", "t")
@@ -97,8 +95,7 @@ def run(args) -> int:
     if args.out:
         title = (f"{plan.name}: p={plan.pp}, m={plan.m}, v={plan.v} (tp {plan.tp}, dp "
                  f"{plan.dp}): predicted timeline of the plan ({plan.costs_text})")
-        Path(args.out).write_text(render_html([plan.timeline], title=title) + "\n")
-        print(f"wrote {args.out}", file=sys.stdout if args.format == "text" else sys.stderr)
+        write_out_file(args, render_html([plan.timeline], title=title))
     return 0
 
 

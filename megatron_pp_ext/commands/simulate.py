@@ -17,7 +17,7 @@ from ..schedules.validate import CHANNELS, validate_schedule
 from ..integration.stage_layers import describe
 from ..analysis.select import zb_auto_options
 from ..schedules.zb_auto import NAME as ZB_AUTO
-from .common import (COSTS_HELP, activation_of, add_cost_args, add_megatron_args,
+from .common import (write_out_file, COSTS_HELP, activation_of, add_cost_args, add_megatron_args,
                      add_memory_args, add_size_args, budget_of, cost_flags_given,
                      costs_from_args, describe_costs, megatron_argv, peak_line)
 from .hints import warn_p_exceeds_m
@@ -238,8 +238,7 @@ def _run_async(args, costs, unit: str) -> int:
 
 def _write(args, text: str) -> int:
     if args.out:
-        Path(args.out).write_text(text + "\n")
-        print(f"wrote {args.out}")
+        write_out_file(args, text)
     else:
         sys.stdout.write(text + "\n")
     return 0
