@@ -29,10 +29,16 @@ fi
 if [ ! -x .venv/bin/python ]; then
   "$(find_python)" -m venv .venv
 fi
-# --no-compile: pip's byte-compiling of every installed module (torch's thousands) took half
-# the install's 80 s; Python compiles the modules a run imports, once, on first import
+# --no-compile, then compileall on every core: pip byte-compiles one file at a time (half of
+# the install's 80 s). The byte-compiling cannot be left to the first import: where
+# PYTHONDONTWRITEBYTECODE is set (this machine, CI) no .pyc would ever be written, every
+# process would compile what it imports again, and Python's compile-time SyntaxWarnings from
+# Megatron's sources (kv_block_allocator.py's '\-') would land in every run's output.
 .venv/bin/python -m pip install -q --no-compile --disable-pip-version-check -r requirements.txt 2>&1 \
   | grep -v "is ignored: it is neither a file nor a directory" || true
+.venv/bin/python -W ignore -m compileall -q -j 0 \
+  "$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" >/dev/null 2>&1 \
+  || true  # a file that does not compile fails only its own import, as with pip
 .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e . 2>&1 \
   | grep -v "is ignored: it is neither a file nor a directory" || true
 .venv/bin/python -c "import torch, megatron.core, megatron_pp_ext" 2>/dev/null \
