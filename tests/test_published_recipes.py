@@ -71,7 +71,8 @@ def test_select_trades_recompute_for_schedule_on_the_70b_run_at_tp_2():
     shorter by more than any bubble: the search puts it first and prints its flags. The
     recompute is priced from its FLOPs: block n adds n of a stage's L layers' forward to its
     backward."""
-    from megatron_pp_ext.integration.pretrain_select import flags_to_set, select_pretrain
+    from megatron_pp_ext.integration.pretrain_select import (flags_to_drop, flags_to_set,
+                                                              select_pretrain)
 
     run = RUNS[0]
     argv = shlex.split(run.argv.replace("--tensor-model-parallel-size 4",
@@ -87,6 +88,11 @@ def test_select_trades_recompute_for_schedule_on_the_70b_run_at_tp_2():
     assert 1 <= n < 10 and rows["1f1b"].activations.recompute == "full"
     assert flags_to_set(selection, selection.best) == [
         "--pipeline-schedule", "v-min", "--num-virtual-stages-per-pipeline-rank", "2"]
+    assert flags_to_drop(selection, selection.best) == []
+    # 1F1B's row: its recompute set, the recipe's virtual stages (vp 5) dropped
+    assert flags_to_set(selection, rows["1f1b"]) == ["--pipeline-schedule", "1f1b",
+                                                     *one_f_one_b]
+    assert flags_to_drop(selection, rows["1f1b"]) == ["--num-virtual-stages-per-pipeline-rank"]
     # the cheapest that fits: one layer fewer recomputed does not fit
     fewer = select_pretrain(argv[:] + one_f_one_b[:-1] + [str(n - 1)], gpu=run.gpu,
                             world_size=run.world_size, candidates=["1f1b"])
@@ -114,3 +120,27 @@ def test_recompute_settings_go_from_none_to_every_layer():
 
     assert [recompute_label(flags) for flags in recompute_settings(3)] == [
         "none", "selective", "full block 1", "full block 2", "full uniform 1"]
+
+
+def test_a_recompute_the_search_does_not_need_is_named_to_drop():
+    """The 70B recipe fits without recompute: given full recompute, the search's 1F1B row sets
+    none and names the recompute flags (and the recipe's virtual stages) to drop, in the text
+    line and the JSON."""
+    from megatron_pp_ext.integration.pretrain_select import (
+        command_line_changes, flags_to_drop, select_pretrain, selection_dict)
+
+    run = RUNS[0]
+    argv = run.args + ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                       "--recompute-num-layers", "1"]
+    selection = select_pretrain(argv, gpu=run.gpu, world_size=run.world_size,
+                                candidates=["1f1b"], search_recompute=True)
+    row = selection.best
+    assert row.name == "1f1b" and row.recompute_flags == []
+    drop = ["--num-virtual-stages-per-pipeline-rank", "--recompute-granularity",
+            "--recompute-method", "--recompute-num-layers"]
+    assert flags_to_drop(selection, row) == drop
+    assert command_line_changes(selection, row) == ("--pipeline-schedule 1f1b; drop "
+                                                    + " ".join(drop))
+    json_row = selection_dict(selection)["ranked"][0]
+    assert json_row["flags_to_set"] == ["--pipeline-schedule", "1f1b"]
+    assert json_row["flags_to_drop"] == drop and json_row["recompute"] == "none"

@@ -15,7 +15,7 @@ fits is the candidate's row, its recompute priced from its FLOPs (``stage_flops`
 recomputed layers' forward runs again before each backward); interleaved is then planned at
 every v that splits a rank's layers evenly. ``scale_out`` N: the same model at N times the
 data-parallel size (the global batch fixed, so N times fewer microbatches per pipeline). The
-best row's changes to the command line: :func:`flags_to_set`.
+best row's changes to the command line: :func:`flags_to_set` and :func:`flags_to_drop`.
 """
 
 from __future__ import annotations
@@ -149,18 +149,34 @@ def recompute_label(flags: list[str]) -> str:
 def flags_to_set(selection: PretrainSelection, plan: PretrainPlan) -> list[str]:
     """What to add to (or change on) the command line for ``plan``'s row: the schedule, its
     virtual stages, and the recompute flags when they were searched and differ from the
-    arguments' (``(drop ...)`` where a flag the arguments give must go)."""
+    arguments'. What must go is :func:`flags_to_drop`."""
     flags = ["--pipeline-schedule", plan.name]
-    has_virtual = any(token.split("=", 1)[0] in _VIRTUAL_FLAGS for token in selection.argv)
     if plan.v > 1 and not any(a.startswith("--pipeline-model-parallel-layout")
                               for a in selection.argv):
         flags += ["--num-virtual-stages-per-pipeline-rank", str(plan.v)]
-    elif plan.v == 1 and has_virtual:
-        flags.append("(drop the virtual-stage flags)")
     searched = plan.recompute_flags
-    if searched is not None and searched != _split_recompute(selection.argv)[1]:
-        flags += searched or ["(drop the recompute flags)"]
+    if searched and searched != _split_recompute(selection.argv)[1]:
+        flags += searched
     return flags
+
+
+def flags_to_drop(selection: PretrainSelection, plan: PretrainPlan) -> list[str]:
+    """The flags of the arguments (by name) that ``plan``'s row runs without: the virtual-stage
+    flags for one chunk per rank, the recompute flags the searched setting does not set (all of
+    them where it needs none)."""
+    given = [token.split("=", 1)[0] for token in selection.argv]
+    drop = [flag for flag in _VIRTUAL_FLAGS if flag in given] if plan.v == 1 else []
+    if plan.recompute_flags is not None:
+        kept = set(plan.recompute_flags)
+        drop += [flag for flag in _RECOMPUTE_FLAGS if flag in given and flag not in kept]
+    return drop
+
+
+def command_line_changes(selection: PretrainSelection, plan: PretrainPlan) -> str:
+    """``flags_to_set`` and ``flags_to_drop`` as one line of text."""
+    drop = flags_to_drop(selection, plan)
+    return " ".join(flags_to_set(selection, plan)) + (
+        f"; drop {' '.join(drop)}" if drop else "")
 
 
 def _chunks_for(name: str, layouts: dict,
@@ -225,7 +241,7 @@ def selection_report(selection: PretrainSelection) -> str:
         lines.append("no schedule fits: see `plan` for each rank's bytes")
     else:
         lines += ["", "best, on your command line: "
-                  + " ".join(flags_to_set(selection, selection.best))]
+                  + command_line_changes(selection, selection.best)]
     if selection.excluded:
         lines += ["", "excluded:"] + [f"  {name}: {why}" for name, why in selection.excluded]
     return "\n".join(lines)
@@ -240,12 +256,14 @@ def selection_dict(selection: PretrainSelection) -> dict:
                 "stages": [stage.describe() for stage in plan.stages],
                 "recompute": (None if plan.recompute_flags is None
                               else recompute_label(plan.recompute_flags)),
-                "flags_to_set": flags_to_set(selection, plan)}
+                "flags_to_set": flags_to_set(selection, plan),
+                "flags_to_drop": flags_to_drop(selection, plan)}
 
     return {"ranked": [row(plan) for plan in selection.ranked],
             "too_big": [row(plan) for plan in selection.too_big],
             "excluded": [{"schedule": n, "reason": why} for n, why in selection.excluded]}
 
 
-__all__ = ["PretrainSelection", "flags_to_set", "recompute_label", "recompute_settings",
-           "select_pretrain", "selection_dict", "selection_report"]
+__all__ = ["PretrainSelection", "command_line_changes", "flags_to_drop", "flags_to_set",
+           "recompute_label", "recompute_settings", "select_pretrain", "selection_dict",
+           "selection_report"]
