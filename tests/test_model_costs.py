@@ -418,3 +418,13 @@ def test_activation_offload_is_named_as_not_modelled():
                                "modelled") for note in plan.activations.notes)
     assert plan.activations.bytes_per_layer == plan_pretrain(
         LLAMA_70B, schedule="1f1b", world_size=128).activations.bytes_per_layer
+
+
+def test_multi_latent_attention_is_refused_not_priced_as_gqa():
+    """MLA's low-rank projections change FLOPs, parameters and activations: the planner says it
+    does not model them rather than print GQA's figures for the model."""
+    args = parse_pretrain_args(LLAMA_70B + ["--multi-latent-attention", "--kv-lora-rank", "512",
+                                            "--q-lora-rank", "1536", "--qk-head-dim", "128",
+                                            "--qk-pos-emb-head-dim", "64", "--v-head-dim", "128"])
+    with pytest.raises(ValueError, match="--multi-latent-attention is not modelled by plan"):
+        model_shape(args)

@@ -84,6 +84,14 @@ class ModelShape:
 
 def model_shape(args: Any) -> ModelShape:
     """The dimensions of the GPT ``args`` describe (Megatron's parser's namespace)."""
+    if getattr(args, "multi_latent_attention", False):
+        # its low-rank Q and KV projections and rope heads change the FLOPs, the parameters
+        # and the saved tensors; priced as GQA the plan would be wrong, not approximate
+        raise ValueError(
+            "--multi-latent-attention is not modelled by plan, simulate and select (its "
+            "FLOPs, parameters and activations differ from the GQA the planner counts): "
+            "without the flag the model is planned with standard attention, an "
+            "approximation; the drop-in itself trains MLA models under every schedule")
     h = required_arg(args, "hidden_size", "--hidden-size")
     a = required_arg(args, "num_attention_heads", "--num-attention-heads")
     layers = required_arg(args, "num_layers", "--num-layers")
