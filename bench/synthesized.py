@@ -48,7 +48,7 @@ COMM = 0.3  # a message, in middle chunk forwards
 
 def stage_costs(p: int, m: int, chunks: int) -> dict[str, list[float]]:
     """Per stage F, I, W seconds of the model at p, m, v chunks per rank, from its FLOPs."""
-    from megatron_pp_ext.integration.pretrain_plan import plan_pretrain
+    from megatron_pp_ext.planner.pretrain_plan import plan_pretrain
 
     argv = MODEL + ["--pipeline-model-parallel-size", str(p), "--global-batch-size", str(m)]
     if chunks == 2:

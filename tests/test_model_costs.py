@@ -10,13 +10,13 @@ import pytest
 from megatron.training.theoretical_memory_usage import compute_weight_and_optimizer_memory
 from megatron.training.training import num_floating_point_operations
 
-from megatron_pp_ext.integration.model_shape import model_shape
-from megatron_pp_ext.integration.pretrain_args import parse_pretrain_args
-from megatron_pp_ext.integration.pretrain_plan import plan_pretrain
-from megatron_pp_ext.integration.gpus import GPUS
-from megatron_pp_ext.integration.stage_flops import stage_flops, stage_seconds, step_flops
+from megatron_pp_ext.planner.model_shape import model_shape
+from megatron_pp_ext.planner.pretrain_args import parse_pretrain_args
+from megatron_pp_ext.planner.pretrain_plan import plan_pretrain
+from megatron_pp_ext.planner.gpus import GPUS
+from megatron_pp_ext.planner.stage_flops import stage_flops, stage_seconds, step_flops
 from megatron_pp_ext.integration.stage_layers import stage_layers
-from megatron_pp_ext.integration.static_memory import bytes_per_param, stage_params
+from megatron_pp_ext.planner.static_memory import bytes_per_param, stage_params
 
 # A 70B-class GPT (the issue's): 80 layers, hidden 8192, 64 heads in 8 query groups, SwiGLU
 # 28672, 8192 tokens, a 128k vocabulary; tp 8 with sequence parallelism, pp 8, bf16.
@@ -211,7 +211,7 @@ def test_the_activation_formula_matches_measured_bytes(measured_bytes, kind):
 
 
 def plan_activation(args):
-    from megatron_pp_ext.integration.activation_model import activation_estimate
+    from megatron_pp_ext.planner.activation_model import activation_estimate
 
     return activation_estimate(args, stage_layers(args, 1, 1))
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from megatron_pp_ext.schedules.validate import peak_activations
-from megatron_pp_ext.integration.pretrain_plan import plan_pretrain, split_launcher
+from megatron_pp_ext.planner.pretrain_plan import plan_pretrain, split_launcher
 from megatron_pp_ext.runtime.memory import predicted_peak_bytes
 from megatron_pp_ext.schedules import build_schedule
 

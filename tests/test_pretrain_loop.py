@@ -154,7 +154,7 @@ UNEVEN = [("1f1b", FIRST_LAST, [3, 5]), ("zb-h2", FIRST_LAST, [3, 5]),
 def test_uneven_loop_layouts_train_as_megatrons_1f1b(schedule, flags, decoders):
     """Megatron's uneven splits through its own loop: the stages hold what Megatron builds
     (and what ``plan`` says they hold), the losses and grad norms are Megatron's, bit for bit."""
-    from megatron_pp_ext.integration.pretrain_args import parse_pretrain_args
+    from megatron_pp_ext.planner.pretrain_args import parse_pretrain_args
     from megatron_pp_ext.integration.stage_layers import stage_layers
 
     ref = _pretrain(extra=list(flags))
@@ -261,7 +261,7 @@ def test_megatrons_split_flags_under_v_layouts_place_the_first_and_last_stage(
     layers under a V schedule apply to V stage 0 and 2p-1 (both on rank 0): the drop-in builds
     the equivalent layout string (the one ``plan`` shows) and trains as Megatron's 1F1B over
     the same model (the account-for flags themselves, for the first split)."""
-    from megatron_pp_ext.integration.pretrain_plan import plan_pretrain
+    from megatron_pp_ext.planner.pretrain_plan import plan_pretrain
 
     argv = pretrain_argv(pp=2, dp=2, extra=["--num-virtual-stages-per-pipeline-rank", "2",
                                             *flags])

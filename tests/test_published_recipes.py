@@ -35,7 +35,7 @@ def test_the_70b_run_at_tp_2_does_not_fit():
 
 
 def test_select_keeps_nvidias_choice_for_the_70b_run_among_those_that_fit():
-    from megatron_pp_ext.integration.pretrain_select import select_pretrain
+    from megatron_pp_ext.planner.pretrain_select import select_pretrain
 
     run = RUNS[0]
     selection = select_pretrain(run.args, gpu=run.gpu, world_size=run.world_size,
@@ -71,7 +71,7 @@ def test_select_trades_recompute_for_schedule_on_the_70b_run_at_tp_2():
     shorter by more than any bubble: the search puts it first and prints its flags. The
     recompute is priced from its FLOPs: block n adds n of a stage's L layers' forward to its
     backward."""
-    from megatron_pp_ext.integration.pretrain_select import (flags_to_drop, flags_to_set,
+    from megatron_pp_ext.planner.pretrain_select import (flags_to_drop, flags_to_set,
                                                               select_pretrain)
 
     run = RUNS[0]
@@ -105,7 +105,7 @@ def test_select_trades_recompute_for_schedule_on_the_70b_run_at_tp_2():
 
 
 def test_scale_out_plans_the_same_model_at_n_times_the_data_parallel_size():
-    from megatron_pp_ext.integration.pretrain_select import select_pretrain
+    from megatron_pp_ext.planner.pretrain_select import select_pretrain
 
     run = RUNS[0]
     selection = select_pretrain(run.args, gpu=run.gpu, world_size=run.world_size,
@@ -116,7 +116,7 @@ def test_scale_out_plans_the_same_model_at_n_times_the_data_parallel_size():
 
 
 def test_recompute_settings_go_from_none_to_every_layer():
-    from megatron_pp_ext.integration.pretrain_select import recompute_label, recompute_settings
+    from megatron_pp_ext.planner.pretrain_select import recompute_label, recompute_settings
 
     assert [recompute_label(flags) for flags in recompute_settings(3)] == [
         "none", "selective", "full block 1", "full block 2", "full uniform 1"]
@@ -126,7 +126,7 @@ def test_a_recompute_the_search_does_not_need_is_named_to_drop():
     """The 70B recipe fits without recompute: given full recompute, the search's 1F1B row sets
     none and names the recompute flags (and the recipe's virtual stages) to drop, in the text
     line and the JSON."""
-    from megatron_pp_ext.integration.pretrain_select import (
+    from megatron_pp_ext.planner.pretrain_select import (
         command_line_changes, flags_to_drop, select_pretrain, selection_dict)
 
     run = RUNS[0]

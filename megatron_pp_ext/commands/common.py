@@ -11,7 +11,7 @@ from ..analysis.costs import (MeasuredCosts, activations_in_v1_units, assume_spl
                               format_counts, load_costs)
 from ..analysis.select import MiB, parse_size
 from ..analysis.simulate import CostModel
-from ..integration.gpus import DEFAULT_EFFICIENCY, DEFAULT_RESERVE_BYTES, GPUS
+from ..planner.gpus import DEFAULT_EFFICIENCY, DEFAULT_RESERVE_BYTES, GPUS
 
 
 def cost_value(text: str) -> float | list[float]:
@@ -244,11 +244,11 @@ def cost_flags_given(args) -> bool:
 
 def select_on_model(args, argv: list[str], candidates):
     """``(selection, text)``: every candidate planned on the model of ``argv``
-    (``integration.pretrain_select``), as JSON or as its table per ``--format``; what
+    (``planner.pretrain_select``), as JSON or as its table per ``--format``; what
     ``select -- ARGS`` and ``compare -- ARGS`` print."""
     import json
 
-    from ..integration.pretrain_select import select_pretrain, selection_dict, selection_report
+    from ..planner.pretrain_select import select_pretrain, selection_dict, selection_report
 
     selection = select_pretrain(argv, gpu=args.gpu, world_size=args.world_size,
                                 gpu_memory=args.gpu_memory, efficiency=args.efficiency,

@@ -50,7 +50,7 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from ..integration.pretrain_plan import plan_pretrain, plan_report
+    from ..planner.pretrain_plan import plan_pretrain, plan_report
 
     argv = megatron_argv(args)
     if not argv:

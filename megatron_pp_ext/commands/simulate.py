@@ -160,7 +160,7 @@ def _run_planned(args, argv: list[str]) -> int:
     """``simulate -- ARGS``: the schedule on the model Megatron-LM's arguments describe (p, m,
     v, every stage's layers), priced per stage from its FLOPs with ``--gpu``, unless cost
     flags or ``--costs`` are given."""
-    from ..integration.pretrain_plan import plan_pretrain  # Megatron-LM's parser: seconds
+    from ..planner.pretrain_plan import plan_pretrain  # Megatron-LM's parser: seconds
 
     if args.csv or args.ranks or args.microbatches or args.chunks or args.nccl_program:
         raise ValueError("with Megatron-LM's arguments after --, p, m and v come from them: "

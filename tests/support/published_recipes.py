@@ -87,10 +87,10 @@ RUNS = [
 
 def planned(run: PublishedRun):
     """(``plan``'s plan of the run, its FLOPs per token as Megatron counts them)."""
-    from megatron_pp_ext.integration.model_shape import model_shape
-    from megatron_pp_ext.integration.pretrain_args import parse_pretrain_args
-    from megatron_pp_ext.integration.pretrain_plan import plan_pretrain
-    from megatron_pp_ext.integration.stage_flops import step_flops
+    from megatron_pp_ext.planner.model_shape import model_shape
+    from megatron_pp_ext.planner.pretrain_args import parse_pretrain_args
+    from megatron_pp_ext.planner.pretrain_plan import plan_pretrain
+    from megatron_pp_ext.planner.stage_flops import step_flops
 
     plan = plan_pretrain(run.args, schedule=run.schedule, world_size=run.world_size,
                          gpu=run.gpu)

@@ -5,8 +5,8 @@ bytes (and whether they fit), per-stage costs, predicted step and bubble, notes.
 from __future__ import annotations
 
 from ..units import human_bytes
-from .plan import warmup_counts
-from .stage_layers import describe
+from ..integration.plan import warmup_counts
+from ..integration.stage_layers import describe
 
 
 def report(plan) -> str:  # a pretrain_plan.PretrainPlan

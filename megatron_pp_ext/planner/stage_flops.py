@@ -26,7 +26,7 @@ from .gpus import Gpu
 
 if TYPE_CHECKING:  # the shape's module reads Megatron's arguments: not loaded to price stages
     from .model_shape import ModelShape
-    from .stage_layers import StageLayers
+    from ..integration.stage_layers import StageLayers
 
 @dataclass(frozen=True)
 class StageFlops:

@@ -33,14 +33,14 @@ from ..schedules.validate import peak_activations
 from ..timeline import Timeline
 from .activation_model import ActivationEstimate, activation_estimate
 from .gpus import DEFAULT_EFFICIENCY, DEFAULT_RESERVE_BYTES, Gpu, gpu_named
-from .megatron_args import schedule_options_from_args
-from .model_chunks import model_chunks as _model_chunks
+from ..integration.megatron_args import schedule_options_from_args
+from ..integration.model_chunks import model_chunks as _model_chunks
 from .model_shape import model_shape
 from .plan_report import report as plan_report
 from .pretrain_args import (Sizes, derive_sizes, parse_pretrain_args, required_arg,
                             split_launcher)
 from .stage_flops import per_stage_seconds
-from .stage_layers import StageLayers, layout_string, stage_layers, uneven_flags
+from ..integration.stage_layers import StageLayers, layout_string, stage_layers, uneven_flags
 from .static_memory import bytes_per_param, stage_params
 
 #: The plugin's name for Megatron's own schedule, by chunks per rank.

@@ -41,7 +41,7 @@ from fractions import Fraction
 from typing import Any, Sequence
 
 from .model_shape import ModelShape, model_shape
-from .stage_layers import StageLayers
+from ..integration.stage_layers import StageLayers
 
 
 @dataclass

@@ -21,8 +21,8 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from .megatron_args import add_pipeline_schedule_args
-from .megatron_import import import_megatron
+from ..integration.megatron_args import add_pipeline_schedule_args
+from ..integration.megatron_import import import_megatron
 
 
 def split_launcher(argv: Sequence[str]) -> tuple[list[str], int | None, str | None]:

@@ -43,7 +43,7 @@ from typing import Any
 
 from .gpus import Gpu
 from .model_shape import ModelShape, fp8_element_bytes, fp8_recipe
-from .stage_layers import StageLayers
+from ..integration.stage_layers import StageLayers
 
 
 @dataclass(frozen=True)
