@@ -6,10 +6,12 @@ prediction under them, and the per-rank summary and scalars a traced step report
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import replace
 
 from ..ir import Action, Schedule
 from ..timeline import COMM_WAIT, COMPUTE, Timeline
 from ..units import format_bytes_iec
+from .shared_cores import host_overhead, simulate_shared_cores, uncontended_timeline
 from .simulate import CostModel, simulate
 
 #: The scalars a traced step reports (tensorboard / wandb tags).
@@ -96,11 +98,21 @@ def calibrated_costs(timeline: Timeline, schedule: Schedule,
 
 
 def predicted_timeline(measured: Timeline, schedule: Schedule,
-                       t_comm: float | None = None) -> Timeline:
+                       t_comm: float | None = None, cores: float | None = None) -> Timeline:
     """The simulator's timeline of ``schedule`` under the costs measured in ``measured``
-    (``t_comm`` as in :func:`calibrated_costs`)."""
-    predicted = simulate(schedule, calibrated_costs(measured, schedule, t_comm),
-                         validate=False)
+    (``t_comm`` as in :func:`calibrated_costs`). ``cores``: the ranks shared that many cores
+    (more ranks than cores on one machine): the costs are taken alone on a core and the
+    prediction shares the cores as the step did (``shared_cores``)."""
+    if cores is None:
+        predicted = simulate(schedule, calibrated_costs(measured, schedule, t_comm),
+                             validate=False)
+    else:
+        latency = message_latency(measured, schedule) if t_comm is None else t_comm
+        alone = calibrated_costs(uncontended_timeline(measured, cores), schedule, latency)
+        host = host_overhead(measured, cores)
+        alone = replace(alone, per="stage", t_overhead=[host[schedule.rank_of(stage)] for
+                                                        stage in range(schedule.num_stages)])
+        predicted = simulate_shared_cores(schedule, alone, cores)
     predicted.unit = "s"
     return predicted
 

@@ -18,6 +18,7 @@ line, and at the end writes summary.json, timeline.html and trace.json into ``--
 from __future__ import annotations
 
 import logging
+import os
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ from .measure import (
     StepMeasurement,
     costs_per_rank,
     gather_step,
+    pipeline_cores,
     memory_summary,
     unit_cost_bubble,
 )
@@ -71,7 +73,14 @@ def train_rank(rank: int, world_size: int, settings: TrainSettings, launcher: st
     state = installation.state
 
     progress = _start_progress(settings, cfg, dp_size, backend, launcher, started) if talk else None
-    history = _History()
+    cores = pipeline_cores(device.type, world_size, settings.pp) if settings.trace else None
+    if talk and cores is not None:
+        progress.message(
+            f"{world_size} ranks share this machine's {len(os.sched_getaffinity(0))} cores: "
+            "each action's cost and the host's time between actions are taken from the "
+            "measured step as if alone on a core, and the prediction shares the cores as the "
+            "ranks do (analysis/shared_cores.py)")
+    history = _History(cores=cores)
     for step in range(settings.steps):
         batches = counting_batches(settings.microbatches, cfg.micro_batch_size, cfg.seq_length,
                                    cfg.vocab_size, settings.seed, step, dp_rank, device)
@@ -82,7 +91,8 @@ def train_rank(rank: int, world_size: int, settings: TrainSettings, launcher: st
         loss = _mean_loss(outputs, last_pipeline_rank, dp_size, device)
         if talk and step == 0 and state.auto is not None and state.auto.choice is not None:
             progress.message(f"auto: {state.auto.choice.reason}")
-        history.measurement = (gather_step(state, pp_group, settings.trace) if settings.pp > 1
+        history.measurement = (gather_step(state, pp_group, settings.trace, cores)
+                               if settings.pp > 1
                                else StepMeasurement([1], None))
         if talk:
             _report_step(progress, history, step, settings.steps, loss, norm)
@@ -114,6 +124,7 @@ class _History:
     predicted_bubbles: list = field(default_factory=list)
     measurement: StepMeasurement | None = None  # the last step's
     predicted: object = None  # the last step's predicted timeline (rank 0)
+    cores: float | None = None  # the cores the pipeline's ranks shared (None: a core each)
 
 
 def _start_progress(settings: TrainSettings, cfg, dp_size: int, backend: str, launcher: str,
@@ -205,6 +216,9 @@ def _summary(settings: TrainSettings, state, history: _History, world_size: int,
         "bubble_measured_per_step": bubbles,
         "bubble_predicted_per_step": history.predicted_bubbles,
         "bubble_unit_costs": unit_cost_bubble(schedule) if schedule is not None else 0.0,
+        # the cores this pipeline's ranks shared, which the prediction accounts for (a
+        # count, a share where data-parallel pipelines split the machine); None: a core each
+        "pipeline_cores_shared": history.cores,
         "peak_activations": measurement.peak_activations,  # a COUNT per rank
         # DualPipe's F&B pairs computed in one call, per rank (a COUNT; the last step's)
         "overlapped_pairs": measurement.overlapped_pairs,
@@ -273,6 +287,8 @@ def _closing_line(summary: dict, files: list[str]) -> str:
             f", median step {summary['step_time_median_s']:.3f} s")
     if summary["bubble_measured"] is not None:
         text += (f", bubble {100 * summary['bubble_measured']:.1f}% measured / "
-                 f"{100 * summary['bubble_predicted']:.1f}% predicted from the measured costs / "
+                 f"{100 * summary['bubble_predicted']:.1f}% predicted from the measured costs"
+                 + (f" on {summary['pipeline_cores_shared']:g} shared cores"
+                    if summary.get("pipeline_cores_shared") else "") + " / "
                  f"{100 * summary['bubble_unit_costs']:.1f}% at t_F=t_I=t_W")
     return text + "\nwrote " + ", ".join(files)

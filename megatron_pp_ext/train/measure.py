@@ -9,10 +9,12 @@ tracing only the peaks are collected here, from each rank's ``state.last_step``.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from ..analysis.measured import predicted_timeline
 from ..analysis.simulate import CostModel, simulate
 from ..ir import Schedule
 from ..runtime import trace as tracing
@@ -60,9 +62,24 @@ def _with_memory(measurement: StepMeasurement, payloads: list[dict]) -> StepMeas
     return measurement
 
 
-def gather_step(state, pp_group, trace: bool) -> StepMeasurement | None:
+def pipeline_cores(device_type: str, world_size: int, pp: int) -> float | None:
+    """The cores this pipeline's ranks share when every rank runs on this machine's CPUs and
+    they outnumber its cores (the CPU job: 4 ranks on 2 cores), the share of the cores of one
+    pipeline of ``pp`` among ``world_size`` ranks; None otherwise (GPUs, ranks on several
+    machines, a core each)."""
+    if device_type != "cpu":
+        return None
+    if int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0) != world_size:
+        return None  # some ranks elsewhere: how the machines' cores are shared is not known
+    cores = len(os.sched_getaffinity(0))
+    return cores * pp / world_size if world_size > cores else None
+
+
+def gather_step(state, pp_group, trace: bool, cores: float | None = None
+                ) -> StepMeasurement | None:
     """Every pipeline rank calls it after each step (a collective without tracing); returns
-    the measurement on pipeline rank 0, None elsewhere."""
+    the measurement on pipeline rank 0, None elsewhere. ``cores``: the pipeline's ranks
+    shared that many cores (:func:`pipeline_cores`), which the prediction accounts for."""
     memory: list = [None] * pp_group.size()
     mine = dict(memory_payload(state.last_step),
                 peak_activations=int(state.last_step.peak_activations))
@@ -71,7 +88,9 @@ def gather_step(state, pp_group, trace: bool) -> StepMeasurement | None:
         return None
     if trace:
         measured, predicted = state.last_timeline, state.last_predicted
-        if predicted is None:
+        if cores is not None:
+            predicted = predicted_timeline(measured, state.last_schedule, cores=cores)
+        elif predicted is None:
             predicted = tracing.predicted_timeline(measured, state.last_schedule)
         return _with_memory(StepMeasurement(list(measured.peak_activations), measured,
                                             predicted), memory)
