@@ -41,6 +41,10 @@ def _check_run(out: Path, proc, schedule: str, chunks: int, steps: int) -> dict:
     assert losses[-1] < losses[0], losses  # it learns
     assert 0 <= summary["bubble_measured"] < 1 and 0 <= summary["bubble_predicted"] < 1
     assert len(summary["peak_activations"]) == 2
+    # 2 ranks on this machine: they share its cores only where it has fewer than 2
+    cores = len(os.sched_getaffinity(0))
+    assert summary["pipeline_cores_shared"] == (cores if cores < 2 else None)
+    assert ("ranks share this machine's" in proc.stdout) == (cores < 2)
     # the per-step lines, one per step (stdout is not a terminal: no bar)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("step ")]
     assert len(lines) == steps and all("loss" in l and "bubble" in l for l in lines), proc.stdout
