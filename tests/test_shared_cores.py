@@ -6,8 +6,8 @@ its ranks share (the last test imports train.measure, with torch)."""
 import pytest
 
 from megatron_pp_ext.analysis.measured import calibrated_costs, predicted_timeline
-from megatron_pp_ext.analysis.shared_cores import (core_share, host_overhead,
-                                                   simulate_shared_cores, uncontended_timeline)
+from megatron_pp_ext.analysis.shared_cores import (alone_on_a_core, core_share,
+                                                   simulate_shared_cores)
 from megatron_pp_ext.analysis.simulate import CostModel, simulate
 from megatron_pp_ext.schedules import build_schedule
 from megatron_pp_ext.timeline import COMPUTE
@@ -56,7 +56,7 @@ def test_the_work_of_a_measured_action_is_its_share_of_the_cores():
     schedule = build_schedule("1f1b", 2, 2)
     costs = CostModel(t_f=1.0, t_b=2.0, t_i=1.0, t_w=1.0, t_comm=0.0)
     measured = simulate_shared_cores(schedule, costs, cores=1)
-    alone = calibrated_costs(uncontended_timeline(measured, 1), schedule, 0.0)
+    alone = calibrated_costs(alone_on_a_core(measured, 1)[0], schedule, 0.0)
     assert alone.t_f == pytest.approx([1.0, 1.0]) and alone.t_b == pytest.approx([2.0, 2.0])
     # taken as they were measured, the costs carry the contention: F up to 2 t
     as_measured = calibrated_costs(measured, schedule, 0.0)
@@ -87,7 +87,7 @@ def test_the_hosts_time_between_actions_is_taken_back_as_overhead():
     schedule = build_schedule("1f1b", 4, 8)
     costs = CostModel(t_f=1.0, t_b=2.0, t_i=1.0, t_w=1.0, t_comm=0.0, t_overhead=0.3)
     measured = simulate_shared_cores(schedule, costs, cores=2)
-    assert host_overhead(measured, 2) == pytest.approx([0.3] * 4)
+    assert alone_on_a_core(measured, 2)[1] == pytest.approx([0.3] * 4)
     again = predicted_timeline(measured, schedule, t_comm=0.0, cores=2)
     assert again.makespan == pytest.approx(measured.makespan)
     assert again.bubble_fraction == pytest.approx(measured.bubble_fraction)

@@ -11,7 +11,7 @@ from dataclasses import replace
 from ..ir import Action, Schedule
 from ..timeline import COMM_WAIT, COMPUTE, Timeline
 from ..units import format_bytes_iec
-from .shared_cores import host_overhead, simulate_shared_cores, uncontended_timeline
+from .shared_cores import alone_on_a_core, simulate_shared_cores
 from .simulate import CostModel, simulate
 
 #: The scalars a traced step reports (tensorboard / wandb tags).
@@ -108,10 +108,10 @@ def predicted_timeline(measured: Timeline, schedule: Schedule,
                              validate=False)
     else:
         latency = message_latency(measured, schedule) if t_comm is None else t_comm
-        alone = calibrated_costs(uncontended_timeline(measured, cores), schedule, latency)
-        host = host_overhead(measured, cores)
-        alone = replace(alone, per="stage", t_overhead=[host[schedule.rank_of(stage)] for
-                                                        stage in range(schedule.num_stages)])
+        uncontended, host = alone_on_a_core(measured, cores)
+        alone = replace(calibrated_costs(uncontended, schedule, latency), per="stage",
+                        t_overhead=[host[schedule.rank_of(stage)]
+                                    for stage in range(schedule.num_stages)])
         predicted = simulate_shared_cores(schedule, alone, cores)
     predicted.unit = "s"
     return predicted

@@ -9,9 +9,9 @@ action at its measured mean and lets every rank run at full speed is wrong twice
 the contention in every action, also in the ones that in the real step ran alone, and it
 misses that a rank computes faster while its neighbours wait.
 
-:func:`uncontended_timeline` takes the contention out of a measured timeline (each compute
+:func:`alone_on_a_core` takes the contention out of a measured timeline (each compute
 event's work: the integral of min(1, C / k(t)) over it, k counting the compute and the host's
-time between actions), :func:`host_overhead` gives that host time per action, and
+time between actions) and gives that host time per action, and
 :func:`simulate_shared_cores` predicts the step under those costs with the cores shared
 (processor sharing, event by event, the dependencies and messages as in ``simulate``'s
 buffered rule; the host's part of an action before its compute, outside the compute event,
@@ -67,43 +67,39 @@ def _work(busy: list, cores: float) -> list[float]:
     return work
 
 
-def uncontended_timeline(measured: Timeline, cores: float) -> Timeline:
-    """``measured`` with every compute event shortened to the work it did: its duration times
-    the mean speed the cores gave it (``core_share`` of what ran beside it: compute and the
-    host's time between actions, itself included). Its means are the actions' costs alone."""
+def _check(cores: float) -> None:
     if cores <= 0:
         raise ValueError(f"cores={cores}: the ranks need a share of at least one core")
+
+
+def alone_on_a_core(measured: Timeline, cores: float) -> tuple[Timeline, list[float]]:
+    """What ``measured`` would have cost alone on a core: the timeline with every compute
+    event shortened to the work it did (its duration times the mean speed the cores gave it:
+    ``core_share`` of what ran beside it, compute and the host's time between actions, itself
+    included), whose means are the actions' costs; and per rank the host's work between
+    actions per F, B or I action (``CostModel.t_overhead``, which the simulator adds to those
+    kinds)."""
+    _check(cores)
     busy = _busy(measured)
-    work = {id(event): w for (_, _, _, event), w in zip(busy, _work(busy, cores))
-            if event is not None}
-    events = [replace(e, end=e.start + work[id(e)]) if e.category == COMPUTE else e
+    work = _work(busy, cores)
+    done = {id(event): w for (_, _, _, event), w in zip(busy, work) if event is not None}
+    events = [replace(e, end=e.start + done[id(e)]) if e.category == COMPUTE else e
               for e in measured.events]
-    return replace(measured, events=events)
-
-
-def host_overhead(measured: Timeline, cores: float) -> list[float]:
-    """Per rank, the host's work between actions (``_busy``'s gaps, taken alone on a core)
-    per F, B or I action: ``CostModel.t_overhead``, which the simulator adds to those kinds."""
-    if cores <= 0:
-        raise ValueError(f"cores={cores}: the ranks need a share of at least one core")
-    busy = _busy(measured)
-    gaps = [0.0] * measured.num_ranks
-    for (_, _, rank, event), w in zip(busy, _work(busy, cores)):
+    host, actions = [0.0] * measured.num_ranks, [0] * measured.num_ranks
+    for (_, _, rank, event), w in zip(busy, work):
         if event is None:
-            gaps[rank] += w
-    actions = [0] * measured.num_ranks
-    for e in measured.events:
-        if e.category == COMPUTE and Action.parse(e.label).kind != BACKWARD_WEIGHT:
-            actions[e.rank] += 1
-    return [g / n if n else 0.0 for g, n in zip(gaps, actions)]
+            host[rank] += w
+        elif Action.parse(event.label).kind != BACKWARD_WEIGHT:
+            actions[rank] += 1
+    return (replace(measured, events=events),
+            [h / n if n else 0.0 for h, n in zip(host, actions)])
 
 
 def simulate_shared_cores(schedule: Schedule, costs: CostModel, cores: float) -> Timeline:
     """The predicted timeline of ``schedule`` when its ranks share ``cores`` cores: each
     action's cost (``costs``, alone on a core) is worked off at ``core_share`` of the ranks
     computing at that moment; a message arrives ``t_comm`` after its producer ends."""
-    if cores <= 0:
-        raise ValueError(f"cores={cores}: the ranks need a share of at least one core")
+    _check(cores)
     cost = costs.per_stage(schedule)
     duration, t_comm, overhead = action_durations(cost), cost["t_comm"], cost["t_overhead"]
     owner, rows, stages = schedule.stage_to_rank, schedule.actions, schedule.num_stages
@@ -141,7 +137,8 @@ def simulate_shared_cores(schedule: Schedule, costs: CostModel, cores: float) ->
         if not running and next_ready is None:
             break
         share = core_share(len(running), cores)
-        step = min((((host if host > _EPS else left) / share)
+        # the next end of a host part or of an action, at this share
+        step = min(((host if host > _EPS else left) / share
                     for _, _, host, left in running.values()), default=None)
         until = now + step if step is not None else next_ready
         if next_ready is not None and next_ready < until:
@@ -160,9 +157,7 @@ def simulate_shared_cores(schedule: Schedule, costs: CostModel, cores: float) ->
             position[rank] += 1
             free_at[rank] = now
     explain_blocked(schedule, position)  # raises if some rank could not finish
-    timeline = Timeline.of_schedule(schedule, events, peak_activations(schedule), "predicted",
-                                    "s")
-    return timeline
+    return Timeline.of_schedule(schedule, events, peak_activations(schedule), "predicted", "s")
 
 
-__all__ = ["core_share", "host_overhead", "simulate_shared_cores", "uncontended_timeline"]
+__all__ = ["alone_on_a_core", "core_share", "simulate_shared_cores"]

@@ -17,8 +17,8 @@ from ..analysis.render import render_html
 from ..analysis.select import MiB, format_bytes, select_schedules
 from ..schedules import REGISTRY, get_spec, schedule_names
 from .hints import warn_p_exceeds_m
-from .common import (write_out_file, COSTS_HELP, add_cost_args, add_megatron_args, add_size_args,
-                     costs_from_args, describe_costs, megatron_argv, select_on_model)
+from .common import (COSTS_HELP, add_cost_args, add_megatron_args, add_size_args, costs_from_args,
+                     describe_costs, megatron_argv, select_on_model, write_out_file)
 
 FORMATS = ("text", "json")
 

@@ -20,8 +20,8 @@ import json
 
 from ..analysis.render import render_html
 from ..analysis.simulate import CostModel, simulate
-from .common import (write_out_file, add_cost_args, add_megatron_args, costs_from_args, cost_flags_given,
-                     megatron_argv)
+from .common import (add_cost_args, add_megatron_args, cost_flags_given, costs_from_args,
+                     megatron_argv, write_out_file)
 
 UNITS = ("s", "t")
 

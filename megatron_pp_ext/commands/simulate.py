@@ -17,9 +17,9 @@ from ..schedules.validate import CHANNELS, validate_schedule
 from ..integration.stage_layers import describe
 from ..analysis.select import zb_auto_options
 from ..schedules.zb_auto import NAME as ZB_AUTO
-from .common import (write_out_file, COSTS_HELP, activation_of, add_cost_args, add_megatron_args,
-                     add_memory_args, add_size_args, budget_of, cost_flags_given,
-                     costs_from_args, describe_costs, megatron_argv, peak_line)
+from .common import (COSTS_HELP, activation_of, add_cost_args, add_megatron_args, add_memory_args,
+                     add_size_args, budget_of, cost_flags_given, costs_from_args, describe_costs,
+                     megatron_argv, peak_line, write_out_file)
 from .hints import warn_p_exceeds_m
 
 FORMATS = ("ascii", "json", "html", "chrome")

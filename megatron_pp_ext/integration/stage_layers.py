@@ -58,7 +58,8 @@ class StageLayers:
 
 #: Megatron's splits that name the first and the last pipeline stage's share (the attribute,
 #: the flag); under the V layout they apply to V stages 0 and 2p-1 (:func:`v_split_layout`).
-STAGE_SPLIT_FLAGS = UNEVEN_FLAGS[:2] + UNEVEN_FLAGS[3:]
+STAGE_SPLIT_FLAGS = tuple(flag for flag in UNEVEN_FLAGS
+                          if flag[0] != "pipeline_model_parallel_layout")
 
 
 def uneven_flags(args: Any) -> list[str]:

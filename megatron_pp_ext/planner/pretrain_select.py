@@ -25,8 +25,9 @@ from typing import Sequence
 
 from ..schedules import candidates_by_layout
 from ..units import human_bytes
-from .pretrain_plan import PretrainPlan, plan_pretrain
 from .gpus import DEFAULT_EFFICIENCY, DEFAULT_RESERVE_BYTES
+from .pretrain_args import derive_sizes, parse_pretrain_args, split_launcher
+from .pretrain_plan import PretrainPlan, plan_pretrain
 
 #: flags that set the virtual stages, each with its value (replaced per candidate)
 _VIRTUAL_FLAGS = ("--num-virtual-stages-per-pipeline-rank",
@@ -66,13 +67,16 @@ def select_pretrain(argv: Sequence[str], gpu: str | None, world_size: int | None
         raise ValueError(f"--scale-out {scale_out}: give how many times the data-parallel "
                          "size to plan for, N >= 1")
     argv = [str(a) for a in argv]
-    if scale_out > 1 or search_recompute:
-        given = plan_pretrain(argv, world_size=world_size)
-        world_size = scale_out * given.world_size  # the job's, times N
     interleaved_chunks: tuple[int | None, ...] = (None,)  # the arguments' own
-    if search_recompute:  # interleaved at every v that splits each rank's layers evenly
-        per_rank = given.num_layers // given.pp if given.num_layers % given.pp == 0 else 0
-        interleaved_chunks = tuple(v for v in range(2, per_rank + 1) if per_rank % v == 0)
+    if scale_out > 1 or search_recompute:  # the job's sizes, read as plan_pretrain reads them
+        pretrain_argv, launched, launched_from = split_launcher(argv)
+        args = parse_pretrain_args(pretrain_argv)
+        sizes = derive_sizes(args, world_size, launched, launched_from)
+        world_size = scale_out * sizes.world_size  # the job's, times N
+        layers = int(args.num_layers)
+        if search_recompute:  # interleaved at every v that splits each rank's layers evenly
+            per_rank = layers // sizes.pp if layers % sizes.pp == 0 else 0
+            interleaved_chunks = tuple(v for v in range(2, per_rank + 1) if per_rank % v == 0)
     layouts = candidates_by_layout()
     names = ([str(n).strip().lower() for n in candidates] if candidates else
              list(dict.fromkeys(n for names in layouts.values() for n in names)))

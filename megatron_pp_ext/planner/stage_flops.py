@@ -28,6 +28,7 @@ if TYPE_CHECKING:  # the shape's module reads Megatron's arguments: not loaded t
     from .model_shape import ModelShape
     from ..integration.stage_layers import StageLayers
 
+
 @dataclass(frozen=True)
 class StageFlops:
     """One microbatch through one stage on one rank, in FLOPs."""
