@@ -110,6 +110,59 @@ class Schedule:
     def chunk_of(self, stage: int) -> int:
         return self.stages_of(self.rank_of(stage)).index(stage)
 
+    # ---- microbatch paths: which stages a microbatch crosses, in order ----
+    # Every schedule but one sends each microbatch through all stages 0..S-1. The
+    # bidirectional DualPipe holds each model part twice: microbatches below
+    # ``options["second_direction_from"]`` cross stages 0..S/2-1 (rank 0 to rank p-1), the
+    # others stages S/2..S-1 (rank p-1 to rank 0), and stage S/2 + k is a copy of stage k.
+    @property
+    def second_direction_from(self) -> int | None:
+        value = self.options.get("second_direction_from")
+        return None if value is None else int(value)
+
+    @property
+    def model_stages(self) -> int:
+        """How many distinct model parts the stages hold (S, or S/2 with two directions)."""
+        return self.num_stages // 2 if self.second_direction_from is not None else self.num_stages
+
+    @property
+    def path_chunks(self) -> int:
+        """How many of a rank's stages one microbatch crosses: v (a stage holds 1/v of a
+        rank's layers, and its activation 1/v of a v=1 activation), 1 for dualpipe (each
+        stage is a whole part: what every activation count and per-rank cost is scaled by)."""
+        return max(1, self.model_stages // max(1, self.num_ranks))
+
+    def model_stage(self, stage: int) -> int:
+        """The model part ``stage`` computes (its copy's stage in the first direction)."""
+        return stage % self.model_stages
+
+    def path(self, microbatch: int) -> range:
+        """The stages ``microbatch`` crosses, first to last."""
+        split = self.second_direction_from
+        if split is None:
+            return range(self.num_stages)
+        half = self.num_stages // 2
+        return range(0, half) if microbatch < split else range(half, self.num_stages)
+
+    def upstream(self, stage: int) -> int | None:
+        """The stage whose output ``stage`` takes (None: it reads the data)."""
+        return None if self.is_entry(stage) else stage - 1
+
+    def downstream(self, stage: int) -> int | None:
+        """The stage that takes ``stage``'s output (None: ``stage`` computes the loss)."""
+        return None if self.is_exit(stage) else stage + 1
+
+    def is_entry(self, stage: int) -> bool:
+        """Whether microbatches enter the pipeline at ``stage`` (the embedding's stage)."""
+        return stage % self.model_stages == 0
+
+    def is_exit(self, stage: int) -> bool:
+        """Whether ``stage`` computes the loss (the output layer's stage)."""
+        return stage % self.model_stages == self.model_stages - 1
+
+    def exit_stages(self) -> list[int]:
+        return [s for s in range(self.num_stages) if self.is_exit(s)]
+
     def uses_split_backward(self) -> bool:
         return any(a.kind in (BACKWARD_INPUT, BACKWARD_WEIGHT) for row in self.actions for a in row)
 

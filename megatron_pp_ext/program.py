@@ -221,11 +221,15 @@ def _op(text: str, schedule: Schedule, rank: int) -> P2POp:
     stage, mb = int(stage), int(mb)
     forward = carries == "F"
     # the other stage of the message, and the stage that consumes it
-    other = stage + (1 if forward else -1) if kind == "SEND" else stage + (-1 if forward else 1)
-    if not 0 <= other < schedule.num_stages or schedule.rank_of(stage) != rank:
+    exists, downstream = 0 <= stage < schedule.num_stages, (kind == "SEND") == forward
+    other = None
+    if exists:
+        other = schedule.downstream(stage) if downstream else schedule.upstream(stage)
+    if other is None or schedule.rank_of(stage) != rank:
         raise ScheduleError(f"rank {rank}: P2P op {text!r} names stage {stage}, which is "
-                            f"{'not on this rank' if 0 <= stage < schedule.num_stages else 'out of range'}"
-                            f" or has no neighbour stage {other} to talk to")
+                            f"{'not on this rank' if exists else 'out of range'}"
+                            f" or has no neighbour stage {stage + (1 if downstream else -1)} "
+                            "to talk to")
     consumer = other if kind == "SEND" else stage
     label = f"{'forward' if forward else 'backward'} {consumer}{'F' if forward else 'B'}{mb}"
     return P2POp(SEND if kind == "SEND" else RECV, schedule.rank_of(other),

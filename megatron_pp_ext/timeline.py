@@ -39,6 +39,8 @@ class Timeline:
     schedule: str
     num_ranks: int
     num_microbatches: int
+    #: a chunk-activation is 1/chunks of a rank's layers: v, or 1 for dualpipe (whose two
+    #: chunks per rank are each a whole part of the model: ``Schedule.path_chunks``)
     chunks: int
     events: list[Event] = field(default_factory=list)
     peak_activations: list[int] = field(default_factory=list)
@@ -48,6 +50,15 @@ class Timeline:
     # count calibrated with one F's bytes per stage); empty when unknown. peak_activations
     # above is a COUNT of chunk-activations.
     peak_bytes: list = field(default_factory=list)
+    #: 2 for dualpipe (microbatches from both ends; each rank holds two whole parts)
+    directions: int = 1
+
+    @property
+    def layout_text(self) -> str:
+        """``v=...`` as the headers write it: the chunks per rank, and dualpipe's directions."""
+        if self.directions == 2:
+            return f"v={2 * self.chunks}, two directions"
+        return f"v={self.chunks}"
 
     def compute_events(self, rank: int | None = None) -> list[Event]:
         return [
@@ -137,7 +148,9 @@ class Timeline:
         compute it precedes)."""
         events.sort(key=lambda e: (e.rank, e.start, e.category == COMPUTE))
         return Timeline(schedule=schedule.name, num_ranks=schedule.num_ranks,
-                        num_microbatches=schedule.num_microbatches, chunks=schedule.chunks,
+                        num_microbatches=schedule.num_microbatches,
+                        chunks=schedule.path_chunks,
+                        directions=1 if schedule.second_direction_from is None else 2,
                         events=events, peak_activations=list(peak_activations),
                         source=source, unit=unit)
 

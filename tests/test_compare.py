@@ -34,10 +34,14 @@ def test_every_schedule_side_by_side_with_units():
                                         "(v=1", "units)"]
     rows = {line.split()[0]: line for line in lines[start + 2:start + 2 + len(REGISTRY)]}
     assert list(rows) == list(REGISTRY)
-    assert rows["1f1b"].split() == ["1f1b", "1", "33", "t", "1.294", "27.3%",
+    # dualpipe is the fastest here: p/2 - 1 = 1 slot of idle per rank, at p + 1 = 5 whole-part
+    # activations (and every parameter twice)
+    assert rows["1f1b"].split() == ["1f1b", "1", "33", "t", "1.320", "27.3%",
                                     "[4,", "3,", "2,", "1]"]
-    assert rows["zb-v"].split() == ["zb-v", "2", "25.5", "t", "1.000", "5.9%",
+    assert rows["zb-v"].split() == ["zb-v", "2", "25.5", "t", "1.020", "5.9%",
                                     "[4,", "4,", "4,", "4]"]
+    assert rows["dualpipe"].split() == ["dualpipe", "2", "25", "t", "1.000", "4.0%",
+                                        "[5,", "5,", "5,", "5]"]
     assert rows["interleaved"].split()[:4] == ["interleaved", "2", "28.5", "t"]
     assert lines[start + 2 + len(REGISTRY)].startswith("(v=1 units: one microbatch's")
 
@@ -59,7 +63,8 @@ def test_json_figures_are_the_simulators_with_the_same_costs():
         assert row["step_time"] == pytest.approx(timeline.makespan, abs=1e-9)
         assert row["bubble"] == pytest.approx(timeline.bubble_fraction, abs=1e-12)
         assert row["peak_chunk_activations"] == timeline.peak_activations
-        assert row["peak_activations"] == [n / row["chunks"] for n in timeline.peak_activations]
+        assert row["peak_activations"] == [n / timeline.chunks  # dualpipe: whole parts, 1
+                                           for n in timeline.peak_activations]
         assert row["vs_fastest"] == pytest.approx(row["step_time"] / fastest)
     assert [row["schedule"] for row in data["schedules"]] == list(REGISTRY)
 
@@ -99,7 +104,8 @@ def test_measured_costs_compare_without_split_schedules(tmp_path):
     assert (data["ranks"], data["microbatches"], data["unit"]) == (4, 8, "s")
     assert [row["schedule"] for row in data["schedules"]] == ["gpipe", "1f1b", "interleaved"]
     assert {e["name"] for e in data["not_compared"]} == {"zb-h1", "zb-h2", "zb-v", "dualpipev",
-                                                         "v-half", "v-min", "zb-auto"}
+                                                         "dualpipe", "v-half", "v-min",
+                                                         "zb-auto"}
     want = simulate(build_schedule("1f1b", 4, 8), CostModel(t_f=F, t_b=B, t_comm=T_COMM))
     assert data["schedules"][1]["step_time"] == pytest.approx(want.makespan, abs=1e-9)
     text = cli("compare", "--costs", str(summary)).stdout

@@ -143,8 +143,8 @@ def test_select_costs_from_a_1f1b_run(runs):
     data = json.loads(done.stdout)
     assert (data["ranks"], data["microbatches"], data["unit"]) == (4, 8, "s")
     excluded = {e["name"]: e["reason"] for e in data["excluded"]}
-    assert set(excluded) == {"zb-h1", "zb-h2", "zb-v", "dualpipev", "v-half", "v-min",
-                             "zb-auto"}
+    assert set(excluded) == {"zb-h1", "zb-h2", "zb-v", "dualpipev", "dualpipe", "v-half",
+                             "v-min", "zb-auto"}
     assert all("only whole backwards" in reason for reason in excluded.values())
     want = simulate(build_schedule("1f1b", 4, 8), CostModel(t_f=F, t_b=B, t_comm=T_COMM))
     got = {r["name"]: r["makespan"] for r in data["ranked"] if r["chunks"] == 1}

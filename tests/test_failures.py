@@ -289,8 +289,8 @@ def test_too_few_microbatches(comm_spy, m):
 def test_unknown_schedule_suggests_the_closest(comm_spy):
     with pytest.raises(ValueError, match=r"unknown schedule 'zb_h1'.*Did you mean 'zb-h1'"):
         ScheduleFunction("zb_h1")
-    with pytest.raises(ValueError, match=r"unknown schedule 'dualpipe'.*Did you mean 'dualpipev'"):
-        ScheduleFunction("dualpipe")
+    with pytest.raises(ValueError, match=r"unknown schedule 'dualpip'.*Did you mean 'dualpipe'"):
+        ScheduleFunction("dualpip")
     assert comm_spy == []
 
 

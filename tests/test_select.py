@@ -162,7 +162,7 @@ def test_nothing_fits():
     selection = select_schedules(4, 8, EQUAL, activation_bytes=64 * MiB,
                                  memory_budget_bytes=32 * MiB)
     assert selection.ranked == [] and selection.best is None
-    assert len(selection.excluded) == 12  # 9 schedules + interleaved at v = 2, 3, 4
+    assert len(selection.excluded) == 13  # 10 schedules + interleaved at v = 2, 3, 4
 
 
 def run_cli(*args):
@@ -222,7 +222,7 @@ def test_whole_backward_costs_exclude_split_schedules_with_the_reason():
         ("interleaved", 4), ("interleaved", 3), ("interleaved", 2), ("1f1b", 1), ("gpipe", 1)]
     reasons = {(e.name, e.chunks): e.reason for e in selection.excluded}
     assert set(reasons) == {("zb-h1", 1), ("zb-h2", 1), ("zb-v", 2), ("dualpipev", 2),
-                            ("v-half", 2), ("v-min", 2), ("zb-auto", None)}
+                            ("dualpipe", 2), ("v-half", 2), ("v-min", 2), ("zb-auto", None)}
     assert all("only whole backwards (t_b)" in r and "--assume-split" in r
                for r in reasons.values())
     assert max(r.makespan for r in selection.ranked) < 0.1  # seconds, all of them

@@ -70,7 +70,8 @@ def test_train_1f1b_and_zb_v(tmp_path):
     runs = run_train_all(["--schedule", "1f1b", *sizes, "--out", str(tmp_path / "1f1b")],
                          ["--schedule", str(csv), "--steps", "3", "--out", str(tmp_path / "csv")],
                          ["--schedule", "zb-v", *sizes, "--out", str(tmp_path / "zb-v")],
-                         ["--schedule", "auto", *sizes, "--out", str(tmp_path / "auto")])
+                         ["--schedule", "auto", *sizes, "--out", str(tmp_path / "auto")],
+                         ["--schedule", "dualpipe", *sizes, "--out", str(tmp_path / "dual")])
     proc = runs[0]
     summary = _check_run(tmp_path / "1f1b", proc, "1f1b", 1, 3)
     assert summary["peak_activations"] == [2, 1]  # 1F1B: p - r
@@ -94,6 +95,11 @@ def test_train_1f1b_and_zb_v(tmp_path):
     said = [line for line in proc.stdout.splitlines() if line.startswith("auto: chose ")]
     assert len(said) == 1 and auto["auto_choice"] in said[0] and "faster" in said[0]
     assert auto["losses"] == pytest.approx(summary["losses"], rel=1e-4)  # switched, same training
+
+    # dualpipe: each rank holds part r and a copy of part p-1-r, summed each step
+    dual = _check_run(tmp_path / "dual", runs[4], "dualpipe", 2, 3)
+    assert dual["layout"] == "dual" and dual["peak_activations"] == [3, 3]  # p + 1 whole parts
+    assert dual["losses"] == pytest.approx(summary["losses"], rel=1e-4)
 
 
 @pytest.mark.parametrize("args, words", [

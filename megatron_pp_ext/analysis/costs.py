@@ -38,7 +38,9 @@ from .simulate import RANK, CostModel
 #: What a peak count of v=1 activations means, for labels.
 ACTIVATION_UNIT = ("v=1 units: one microbatch's activations for all of a rank's layers; a "
                    "chunk-activation of a v-chunk schedule counts 1/v (a V chunk holds half a "
-                   "rank's layers: 0.5)")
+                   "rank's layers: 0.5); dualpipe's chunks are whole parts (1 each), and it "
+                   "holds every part's parameters, gradients and optimizer state twice, which "
+                   "these counts leave out (plan counts them)")
 
 
 @dataclass

@@ -40,7 +40,6 @@ def message_latency(timeline: Timeline, schedule: Schedule) -> float:
     result, over the messages the consumer was already waiting for (0.0 if none): what one
     message costs end to end (the sender's post, the wire, the receiver's wake-up)."""
     end_of = {(e.rank, e.label): e.end for e in timeline.events if e.category == COMPUTE}
-    last = schedule.num_stages - 1
     samples = []
     for e in timeline.events:
         if e.category != COMM_WAIT or "<-rank" not in e.label:
@@ -49,12 +48,13 @@ def message_latency(timeline: Timeline, schedule: Schedule) -> float:
             action = Action.parse(e.label.split()[1].split("<-")[0])
         except (ValueError, IndexError):
             continue
-        if action.kind == "F" and action.stage > 0:
-            producers = [f"{action.stage - 1}F{action.microbatch}"]
-            stage = action.stage - 1
-        elif action.kind in ("B", "I") and action.stage < last:
-            producers = [f"{action.stage + 1}{k}{action.microbatch}" for k in ("B", "I")]
-            stage = action.stage + 1
+        before, after = schedule.upstream(action.stage), schedule.downstream(action.stage)
+        if action.kind == "F" and before is not None:
+            producers = [f"{before}F{action.microbatch}"]
+            stage = before
+        elif action.kind in ("B", "I") and after is not None:
+            producers = [f"{after}{k}{action.microbatch}" for k in ("B", "I")]
+            stage = after
         else:
             continue
         for label in producers:

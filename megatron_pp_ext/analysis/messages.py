@@ -35,21 +35,23 @@ class CommPlan:
 
 
 def comm_plan(schedule: Schedule, rank: int) -> list[CommPlan]:
-    last = schedule.num_stages - 1
     plans = []
     for action in schedule.actions[rank]:
         s, mb = action.stage, action.microbatch
+        before, after = schedule.upstream(s), schedule.downstream(s)
+        remote_before = before is not None and schedule.rank_of(before) != rank
+        remote_after = after is not None and schedule.rank_of(after) != rank
         recv = send = None
         if action.kind == FORWARD:
-            if s > 0 and schedule.rank_of(s - 1) != rank:
-                recv = Message(schedule.rank_of(s - 1), ACTIVATION, s, mb)
-            if s < last and schedule.rank_of(s + 1) != rank:
-                send = Message(schedule.rank_of(s + 1), ACTIVATION, s + 1, mb)
+            if remote_before:
+                recv = Message(schedule.rank_of(before), ACTIVATION, s, mb)
+            if remote_after:
+                send = Message(schedule.rank_of(after), ACTIVATION, after, mb)
         elif action.kind != BACKWARD_WEIGHT:
-            if s < last and schedule.rank_of(s + 1) != rank:
-                recv = Message(schedule.rank_of(s + 1), GRADIENT, s, mb)
-            if s > 0 and schedule.rank_of(s - 1) != rank:
-                send = Message(schedule.rank_of(s - 1), GRADIENT, s - 1, mb)
+            if remote_after:
+                recv = Message(schedule.rank_of(after), GRADIENT, s, mb)
+            if remote_before:
+                send = Message(schedule.rank_of(before), GRADIENT, before, mb)
         plans.append(CommPlan(recv, send))
     return plans
 

@@ -83,7 +83,7 @@ class _RankPass:
                  incoming: dict[int, list[Message]], lockstep: LockstepPosting | None,
                  post_ahead: bool, variable_shapes: bool, prefetch: bool, shared: _Ops):
         self.op_of, self.calls = shared.op_of, shared.calls
-        self.rank, self.last = rank, schedule.num_stages - 1
+        self.rank, self.schedule = rank, schedule
         self.actions = schedule.actions[rank]
         self.plans = plans
         self.lockstep = lockstep
@@ -153,8 +153,9 @@ class _RankPass:
             self._take(plan.recv)
         else:
             self.local.discard(_local_key(action))
-        if action.kind != FORWARD:
-            key = self.unsent_activation.get((action.stage + 1, action.microbatch))
+        after = self.schedule.downstream(action.stage)
+        if action.kind != FORWARD and after is not None:
+            key = self.unsent_activation.get((after, action.microbatch))
             if key is not None:
                 self._finish_send(key)
 
@@ -162,11 +163,12 @@ class _RankPass:
         """Action i's output, where its consumer is on this rank: held for it."""
         action = self.actions[i]
         if self.plans[i].send is None:
-            if action.kind == FORWARD and action.stage < self.last:
-                self.local.add((ACTIVATION, action.stage + 1, action.microbatch))
-            elif action.kind != FORWARD and action.stage > 0 \
-                    and action.kind != BACKWARD_WEIGHT:
-                self.local.add((GRADIENT, action.stage - 1, action.microbatch))
+            before, after = (self.schedule.upstream(action.stage),
+                             self.schedule.downstream(action.stage))
+            if action.kind == FORWARD and after is not None:
+                self.local.add((ACTIVATION, after, action.microbatch))
+            elif action.kind not in (FORWARD, BACKWARD_WEIGHT) and before is not None:
+                self.local.add((GRADIENT, before, action.microbatch))
 
     def _output(self, i: int) -> None:
         """Action i's output: handed over on this rank, or sent (fused, in its round)."""

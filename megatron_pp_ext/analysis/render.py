@@ -61,7 +61,7 @@ def render_ascii(timeline: Timeline, width: int | None = None) -> str:
     pad = max(len(n) for n in names) if names else 2
     lines = [
         f"{timeline.schedule} p={timeline.num_ranks} m={timeline.num_microbatches} "
-        f"v={timeline.chunks} ({timeline.source}); {header}"
+        f"{timeline.layout_text} ({timeline.source}); {header}"
     ]
     for rank, row in enumerate(rows):
         lines.append(f"{'r' + str(rank):<{pad}} |{row}")
@@ -319,7 +319,8 @@ def _timeline_section(timeline: Timeline, index: int, px_per_unit: float, longes
     svg.append("</svg>")
     heading = (
         f"<h2>{html.escape(timeline.schedule)} — {html.escape(timeline.source)} "
-        f"(p={timeline.num_ranks}, m={timeline.num_microbatches}, v={timeline.chunks})</h2>"
+        f"(p={timeline.num_ranks}, m={timeline.num_microbatches}, "
+        f"{html.escape(timeline.layout_text)})</h2>"
     )
     how = (f"step {_fmt(timeline.makespan * factor)} {unit}, drawn at {px_per_unit:.4g} px per "
            f"{unit}: the scale of every timeline in {unit} on this page")

@@ -123,13 +123,20 @@ class Selection:
     def peak_bytes_per_rank(self, name: str, chunks: int) -> list[float]:
         """The candidate's predicted peak activation bytes on each rank."""
         counts = self.peak_activations[(name, chunks)]
-        return [counts[r] * _per_rank(self.activation_bytes, r) / chunks
+        unit = self._unit(name, chunks)
+        return [counts[r] * _per_rank(self.activation_bytes, r) / unit
                 for r in range(len(counts))]
+
+    def _unit(self, name: str, chunks: int) -> int:
+        """A chunk-activation is 1/unit of a v=1 one (v; 1 for dualpipe's whole parts)."""
+        timeline = self.timelines.get((name, chunks))
+        return chunks if timeline is None else timeline.chunks
 
     def peak_activations_v1(self, name: str, chunks: int) -> list:
         """The candidate's peak per rank in v=1 units (one microbatch, all of a rank's
         layers): comparable across chunk counts."""
-        return activations_in_v1_units(self.peak_activations[(name, chunks)], chunks)
+        return activations_in_v1_units(self.peak_activations[(name, chunks)],
+                                       self._unit(name, chunks))
 
     @property
     def best(self) -> Ranked | None:
@@ -276,12 +283,13 @@ def select_schedules(num_ranks: int, num_microbatches: int, costs: CostModel,
         counts = list(timeline.peak_activations)
         peaks[(name, v)] = counts
         timelines[(name, v)] = timeline
-        per_rank = [counts[r] * _per_rank(activation_bytes, r) / v for r in range(num_ranks)]
+        unit = timeline.chunks  # a chunk-activation is 1/unit of a v=1 one (dualpipe: 1)
+        per_rank = [counts[r] * _per_rank(activation_bytes, r) / unit for r in range(num_ranks)]
         worst = max(range(num_ranks), key=lambda r: (per_rank[r], -r))
         peak_bytes = per_rank[worst]
-        per_chunk = _per_rank(activation_bytes, worst) / v
+        per_chunk = _per_rank(activation_bytes, worst) / unit
         if peak_bytes > memory_budget_bytes:
-            what = "" if v == 1 else (f" chunk-activations (1/{v} of "
+            what = "" if unit == 1 else (f" chunk-activations (1/{unit} of "
                                       f"{format_bytes(_per_rank(activation_bytes, worst))})")
             excluded.append(Excluded(name, v, (
                 f"peak {counts[worst]} x {format_bytes(per_chunk)}{what} = "

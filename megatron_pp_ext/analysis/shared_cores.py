@@ -102,7 +102,7 @@ def simulate_shared_cores(schedule: Schedule, costs: CostModel, cores: float) ->
     _check(cores)
     cost = costs.per_stage(schedule)
     duration, t_comm, overhead = action_durations(cost), cost["t_comm"], cost["t_overhead"]
-    owner, rows, stages = schedule.stage_to_rank, schedule.actions, schedule.num_stages
+    owner, rows = schedule.stage_to_rank, schedule.actions
     position = [0] * len(rows)
     free_at = [0.0] * len(rows)  # when each idle rank finished its last action
     done_at: dict = {}
@@ -117,7 +117,7 @@ def simulate_shared_cores(schedule: Schedule, costs: CostModel, cores: float) ->
             if rank in running or position[rank] >= len(row):
                 continue
             action = row[position[rank]]
-            dep = dependency_of(action, stages)
+            dep = dependency_of(action, schedule)
             ready = free_at[rank]
             if dep is not None:
                 if dep not in done_at:

@@ -148,6 +148,10 @@ def _per_stage(name: str, value: Cost, schedule: Schedule, share: bool = False) 
     if per_stage:
         return given
     owner = schedule.stage_to_rank
+    if schedule.second_direction_from is not None:
+        # dualpipe: a per-rank figure is its loop-layout rank's, i.e. of the part that rank
+        # holds there (part k): stage s holds part model_stage(s), whole, on either rank
+        return [given[schedule.model_stage(s)] for s in range(stages)]
     if share:
         return [given[owner[s]] / held[owner[s]] for s in range(stages)]
     return [given[owner[s]] for s in range(stages)]

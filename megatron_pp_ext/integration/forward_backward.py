@@ -41,15 +41,19 @@ from ..runtime.errors import PipelineTimeoutError
 from ..runtime.executor import Executor, StepResult
 from ..runtime.transport import TorchDistTransport
 from ..runtime.wgrad import WeightGradSplit
-from ..schedules import AUTO, AUTO_LAYOUT, build_schedule, get_spec, schedule_layout
+from ..schedules import (AUTO, AUTO_LAYOUT, DUAL_LAYOUT, build_schedule, get_spec,
+                         schedule_layout)
 from ..timeline import Timeline
 from . import agreement
 from .auto import AutoSchedule
+from .direction_data import direction_iterators, finish_step
 from .expert_groups import check_expert_group
-from .loss_relay import needs_relay, relay_losses, share_token_count
+from .loss_relay import (mtp_metrics_before, needs_relay, relay_losses, share_mtp_metrics,
+                         share_token_count)
 from .megatron_stage import GradSync, MegatronStageWork, offers_overlapped_pairs
 from .options import PipelineOptions
 from .plan import plan_text
+from .stage_copies import sum_stage_copies
 
 
 @dataclass
@@ -153,7 +157,7 @@ def schedule_for(options: PipelineOptions, p: int, m: int, num_chunks: int, forw
     spec = get_spec(options.schedule)
     if options.chunks:
         v = options.chunks
-    elif spec.layout == "v":
+    elif spec.layout in ("v", DUAL_LAYOUT):
         v = 2
     elif spec.layout == AUTO_LAYOUT:  # zb-auto builds for the model's layout
         v = num_chunks
@@ -164,6 +168,11 @@ def schedule_for(options: PipelineOptions, p: int, m: int, num_chunks: int, forw
             f"schedule {options.schedule!r} builds for one model chunk per rank (the loop "
             f"layout) or two (the V layout: rank r holds stages r and 2p-1-r), but the model "
             f"holds {v}: build it with 1 or 2 chunks per rank")
+    if spec.layout == DUAL_LAYOUT and v != 2:
+        raise ValueError(
+            f"schedule {options.schedule!r} runs exactly 2 model chunks per rank (rank r holds "
+            f"model parts r and p-1-r), but chunks={v} was asked; build the model with "
+            "virtual_pipeline_model_parallel_size=2 and drop the chunks option")
     if spec.layout == "v" and v != 2:
         raise ValueError(
             f"schedule {options.schedule!r} is a V-shape schedule: it runs exactly v=2 model "
@@ -175,7 +184,8 @@ def schedule_for(options: PipelineOptions, p: int, m: int, num_chunks: int, forw
             f"schedule {options.schedule!r} runs v={v} model chunks per rank, but `model` holds "
             f"{num_chunks}; build the model with {v} chunk(s) per rank (vp_stage 0..{v - 1}) "
             f"and pass one data iterator per chunk"
-            + ("" if spec.name == "interleaved" or spec.layout == "v" or num_chunks < 2 else
+            + ("" if spec.name == "interleaved" or spec.layout in ("v", DUAL_LAYOUT)
+               or num_chunks < 2 else
                f", or choose a schedule for {num_chunks} chunks per rank ('interleaved')")
         )
     builder_options = {**options.builder_options(), **(extra_options or {})}
@@ -238,21 +248,26 @@ def shape_decoder_seq_length(num_chunks: int, decoder_seq_length: int | None) ->
 
 
 def check_chunk_placement(schedule: Schedule, rank: int, models) -> None:
-    """Each local chunk must be built for the stage the schedule gives it: the embedding on
-    stage 0, the loss on the last stage (the V layout puts that on rank 0's chunk 1)."""
+    """Each local chunk must be built for the stage the schedule gives it: the embedding where
+    microbatches enter, the loss where they leave (the V layout puts the last stage on rank
+    0's chunk 1; dualpipe both on ranks 0 and p-1)."""
     from megatron.core.utils import get_attr_wrapped_model
 
-    last = schedule.num_stages - 1
     for chunk, (stage, model) in enumerate(zip(schedule.stages_of(rank), models)):
-        for flag, expected in (("pre_process", stage == 0), ("post_process", stage == last)):
+        for flag, expected in (("pre_process", schedule.is_entry(stage)),
+                               ("post_process", schedule.is_exit(stage))):
             try:
                 built = bool(get_attr_wrapped_model(model, flag))
             except (RuntimeError, AttributeError):
                 continue  # not a Megatron model: nothing to check
             if built != expected:
-                layout = ("the V layout: rank r holds stages r and 2p-1-r, so rank 0's chunk 1 "
-                          "computes the loss" if schedule_layout(schedule) == "v" else
-                          "Megatron's layout: chunk c of rank r is stage c*p + r")
+                layout = {
+                    "v": "the V layout: rank r holds stages r and 2p-1-r, so rank 0's chunk 1 "
+                         "computes the loss",
+                    DUAL_LAYOUT: "dualpipe: rank r holds model part r (chunk 0) and a copy of "
+                                 "part p-1-r (chunk 1)",
+                }.get(schedule_layout(schedule),
+                      "Megatron's layout: chunk c of rank r is stage c*p + r")
                 raise ValueError(
                     f"schedule {schedule.name!r} runs stage {stage} on rank {rank}, chunk "
                     f"{chunk} ({layout}), but that model chunk was built with {flag}={built}; "
@@ -404,8 +419,9 @@ def run_step(
                                              forward_only, config)
     # after the schedule's own checks, as Megatron's interleaved schedule checks the
     # microbatches before it reads the iterators
-    iterators = _as_list(data_iterator, "data_iterator", len(models))
-    last_stage_here = schedule.rank_of(schedule.num_stages - 1) == rank
+    iterators, step_batches = direction_iterators(
+        schedule, rank, _as_list(data_iterator, "data_iterator", len(models)))
+    last_stage_here = any(schedule.is_exit(stage) for stage in schedule.stages_of(rank))
     check_chunk_placement(schedule, rank, models)  # a few attribute reads
     recv_shape, variable = _p2p_shape(config, len(models), seq_length, micro_batch_size,
                                       decoder_seq_length, adjust_tensor_shapes_fn, tp_group,
@@ -434,7 +450,10 @@ def run_step(
                         if options.memory is None else options.memory or measuring)
     _arm_transport(state, transport, timeout, pp_group, rank)
     memory_probe = device_helper.start_memory_probe(transport.device) if measuring else None
+    mtp_before = None if forward_only else mtp_metrics_before(schedule, config)
     result = _run_executor(state, executor, weight_split, pp_group, rank)
+    finish_step(step_batches)
+    share_mtp_metrics(mtp_before, config, pp_group, transport.device)
     grad_sync.finish()
     if weight_split is not None:
         weight_split.assert_drained()
@@ -443,6 +462,7 @@ def run_step(
         finish_embedding_wgrad_compute(config, embedding_module, last_stage_here, tp_group)
         _finalize_grads(config, models, work, schedule, pp_group, pg_collection,
                         force_all_reduce)
+        sum_stage_copies(models, schedule, rank, transport, timeout)
     if config.timers is not None:
         config.timers("forward-backward").stop()
     _observe(state, options, result, schedule, rank, pp_group, transport.device, config,

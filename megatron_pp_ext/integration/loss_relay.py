@@ -3,7 +3,10 @@ when the last *stage* lives elsewhere.
 
 On the V layout (zb-v, dualpipev) rank 0 holds the last stage and computes the losses, but
 Megatron-LM's ``train_step`` reads them on the last pipeline rank. The relay sends the
-per-microbatch loss dicts there once per step, so training logs work unchanged.
+per-microbatch loss dicts there once per step, so training logs work unchanged. Under
+dualpipe both rank p-1 (the first direction's microbatches) and rank 0 (the second's) compute
+losses: rank 0's are relayed and the last rank returns its own followed by them, in
+microbatch order.
 
 The source does not wait for the send: on the V layout rank 0 finishes a step before the last
 rank (by p-1 chunk-slots, more with zb-v's longer warm-up), and a blocking send would hold it
@@ -74,14 +77,16 @@ def relay_group(schedule: Schedule, pp_group):
 
 
 def share_token_count(num_tokens: torch.Tensor, schedule: Schedule, pp_group) -> None:
-    """Give every pipeline rank the loss rank's token count (in place), for
+    """Give every pipeline rank the step's token count (in place), for
     ``--calculate-per-token-loss``. Megatron's ``finalize_model_grads`` broadcasts the count
     from the last pipeline rank, which holds 0 when the loss is elsewhere (the V layout's
-    rank 0), and ``clamp(min=1)`` then leaves the gradients undivided. After this broadcast
-    its own broadcast sends the right count. All pipeline ranks call it at the same point
-    (after the step's last P2P, before finalize), so NCCL sees one collective in order."""
-    src = dist.get_process_group_ranks(pp_group)[loss_rank(schedule)]
-    dist.broadcast(num_tokens, src=src, group=pp_group)
+    rank 0) or part of it (dualpipe: ranks 0 and p-1 each count their direction's), and
+    ``clamp(min=1)`` then leaves the gradients undivided or wrongly divided. Only the ranks
+    that compute losses count tokens, so the sum over the pipeline group is the step's count;
+    after it Megatron's own broadcast sends the right one. All pipeline ranks call it at the
+    same point (after the step's last P2P, before finalize), so NCCL sees one collective in
+    order."""
+    dist.all_reduce(num_tokens, group=pp_group)
 
 
 def _group_rank(group, pp_group, pp_rank: int) -> int:
@@ -109,7 +114,8 @@ def _serialized(forward_data_store: list, device) -> tuple[torch.Tensor, torch.T
 def relay_losses(forward_data_store: list, schedule: Schedule, rank: int, pp_group, device,
                  step: int, timeout_s: float) -> list:
     """Returns what this rank should return: the losses on both the computing and the last
-    rank, ``[]`` elsewhere. ``step`` names the step in a timeout's message."""
+    rank (the last rank's own first, dualpipe's), ``[]`` elsewhere. ``step`` names the step
+    in a timeout's message."""
     source, target = loss_rank(schedule), schedule.num_ranks - 1
     if rank not in (source, target):
         return []
@@ -131,5 +137,41 @@ def relay_losses(forward_data_store: list, schedule: Schedule, rank: int, pp_gro
     _wait([dist.irecv(size, group=group, group_src=peer)], rank, source, what, timeout_s)
     data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
     _wait([dist.irecv(data, group=group, group_src=peer)], rank, source, what, timeout_s)
-    return torch.load(io.BytesIO(data.cpu().numpy().tobytes()), map_location=device,
-                      weights_only=True)
+    relayed = torch.load(io.BytesIO(data.cpu().numpy().tobytes()), map_location=device,
+                         weights_only=True)
+    return forward_data_store + relayed
+
+
+_MTP_KEYS = ("loss_values", "correct_values", "total_values")
+
+
+def mtp_metrics_before(schedule: Schedule, config) -> dict | None:
+    """dualpipe with multi-token prediction: the MTP metrics tracker's values before the
+    step (what :func:`share_mtp_metrics` adds this step's to); None where nothing is shared."""
+    if schedule.second_direction_from is None or not getattr(config, "mtp_num_layers", None):
+        return None
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    tracker = MTPLossLoggingHelper.tracker
+    return {key: tracker[key].clone() for key in _MTP_KEYS if key in tracker}
+
+
+def share_mtp_metrics(before: dict | None, config, pp_group, device) -> None:
+    """Under dualpipe both loss ranks (p-1: the first direction's microbatches, 0: the
+    second's) track MTP losses, and Megatron-LM logs the last rank's: this step's values are
+    summed over the pipeline group, so each loss rank's tracker holds the step's whole MTP
+    loss (as 1F1B's last rank does). Every pipeline rank calls it at the same point."""
+    if before is None:
+        return
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    tracker, layers = MTPLossLoggingHelper.tracker, config.mtp_num_layers
+    for key in _MTP_KEYS:
+        current = tracker.get(key)
+        base = before.get(key)
+        step = (torch.zeros(layers, device=device) if current is None else
+                (current - base if base is not None else current.clone()).to(device))
+        dist.all_reduce(step, group=pp_group)
+        if current is not None:
+            current.copy_((base if base is not None else torch.zeros_like(current))
+                          + step.to(current.device))

@@ -49,10 +49,11 @@ from typing import Any
 
 from ..analysis.select import parse_size
 from ..ir import ScheduleError
-from ..schedules import (AUTO, AUTO_LAYOUT, REGISTRY, SHAPING_OPTIONS, ScheduleSpec,
+from ..schedules import (AUTO, AUTO_LAYOUT, DUAL_LAYOUT, REGISTRY, SHAPING_OPTIONS, ScheduleSpec,
                          build_schedule,
                          is_schedule_file, load_schedule_file, resolve_schedule,
                          schedule_layout, schedule_names, takes_option)
+from .dual_layout_models import check_dual_args
 from .model_chunks import model_chunks as _model_chunks
 from .options import ENV_SCHEDULE, PipelineOptions
 from .stage_layers import STAGE_SPLIT_FLAGS, stage_layers, stage_split_flags, v_split_layout
@@ -297,6 +298,10 @@ def _chunks_needed(name: str, spec: ScheduleSpec, args: Any, pp: int,
             f"--pipeline-schedule {name} builds for one model chunk per rank (the loop layout) "
             f"or two (the V layout), but Megatron builds {built} ({_virtual_stage_source(args)}): "
             "drop the virtual-pipeline flags, or give --num-virtual-stages-per-pipeline-rank 2")
+    if spec.layout == DUAL_LAYOUT:
+        check_dual_args(args)  # an even pp, 2 chunks per rank, no layout string
+        return 2, ("add --num-virtual-stages-per-pipeline-rank 2: dualpipe holds part r and "
+                   "a copy of part p-1-r on rank r, two chunks per rank")
     if spec.layout_for(built) == "v":
         need = 2
         if getattr(args, "pipeline_model_parallel_layout", None):
@@ -505,13 +510,13 @@ def chain_args_providers(*providers):
     return provider
 
 
-# The V layout's model providers live in v_layout_models; the names stay importable from here,
-# where scripts/pretrain_gpt_pp.py and users' training scripts find them.
+# The V layout's and dualpipe's model providers live in v_layout_models, dual_layout_models and
+# layout_providers; the names stay importable from here, where scripts/pretrain_gpt_pp.py and
+# users' training scripts find them.
+from .layout_providers import model_provider_for_args, pretrain_model_for_args  # noqa: E402
 from .v_layout_models import (  # noqa: E402
     adapt_pretrain_gpt_for_v_layout,
-    model_provider_for_args,
     model_provider_from_config,
-    pretrain_model_for_args,
     sum_tied_embedding_grads,
     uses_v_layout,
     v_chunk_stage,

@@ -16,6 +16,7 @@ from megatron.core.pipeline_parallel.schedules import (
 
 from ..ir import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action, Schedule
 from . import moe_overlap
+from .direction_data import select_microbatch
 
 
 def relearn_grad_ready_counts(model_chunks) -> None:
@@ -232,6 +233,13 @@ class MegatronStageWork:
     def _chunk(self, stage: int) -> int:
         return self.schedule.chunk_of(stage)
 
+    def iterator_for(self, action: Action):
+        """The data iterator ``action``'s forward step reads (dualpipe: positioned at its
+        microbatch, ``direction_data``)."""
+        iterator = self.data_iterators[self._chunk(action.stage)]
+        select_microbatch(iterator, action.microbatch)
+        return iterator
+
     def chunk_of(self, action: Action) -> int:
         """The index of the model chunk that computes ``action``."""
         return self._chunk(action.stage)
@@ -259,7 +267,7 @@ class MegatronStageWork:
         self.num_forwards += 1
         output, num_tokens = forward_step(
             self.forward_step_func,
-            self.data_iterators[chunk],
+            self.iterator_for(action),
             self.chunks[chunk],
             self.num_microbatches,
             input_tensor,
@@ -271,7 +279,7 @@ class MegatronStageWork:
             is_first_microbatch=self.is_first_microbatch(action),
             current_microbatch=mb,
             vp_stage=chunk if len(self.chunks) > 1 else None,
-            is_last_stage=action.stage == self.schedule.num_stages - 1,
+            is_last_stage=self.schedule.is_exit(action.stage),
         )
         self.total_num_tokens += num_tokens
         if not self.forward_only:

@@ -124,11 +124,11 @@ class CombinedSteps:
         if b_action is not None:
             b_chunk = work.chunk_of(b_action)
             b_input, b_output = work.saved.pop((b_action.stage, b_action.microbatch))
-        last = f_action is not None and f_action.stage == work.schedule.num_stages - 1
+        last = f_action is not None and work.schedule.is_exit(f_action.stage)
         with _last_stage_known(last, work.cp_size), self._capture(b_action, b_chunk):
             output, num_tokens, grad = combined_forward_backward_step(
                 work.forward_step_func,
-                work.data_iterators[f_chunk] if f_chunk is not None else None,
+                work.iterator_for(f_action) if f_chunk is not None else None,
                 work.chunks[f_chunk] if f_chunk is not None else None,
                 work.num_microbatches, f_input, work.forward_data_store,
                 work.chunks[b_chunk] if b_chunk is not None else None,

@@ -23,11 +23,8 @@ from typing import Any, Callable, Optional
 
 from .. import megatron_compat
 from .megatron_args import add_pipeline_schedule_args, chain_args_providers, install_from_args
-from .v_layout_models import (
-    model_provider_for_args,
-    model_provider_from_config,
-    pretrain_model_for_args,
-)
+from .layout_providers import model_provider_for_args, pretrain_model_for_args
+from .v_layout_models import model_provider_from_config
 
 
 def run_pretrain(datasets_provider, forward_step, *, model_provider=None,

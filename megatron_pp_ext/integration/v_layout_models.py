@@ -430,15 +430,6 @@ def _v_layout_float16_module_class():
     return VLayoutFloat16Module
 
 
-def model_provider_for_args(model_provider, args: Any):
-    """``model_provider`` as it is, or wrapped by :func:`v_layout_model_provider` when
-    ``--pipeline-schedule`` is a V-layout schedule: what a training script passes to
-    ``pretrain()`` so every schedule works from the same command line."""
-    if model_provider is None or not uses_v_layout(args):
-        return model_provider
-    return v_layout_model_provider(model_provider)
-
-
 def model_provider_from_config(model_config):
     """A Megatron-LM model provider (``pre_process, post_process, vp_stage, config,
     pg_collection``) that builds one chunk with the builder of ``model_config`` (a
@@ -456,20 +447,6 @@ def model_provider_from_config(model_config):
                                    post_process=post_process, vp_stage=vp_stage)
 
     return provider
-
-
-def pretrain_model_for_args(cfg_container, args: Any):
-    """``(cfg_container, model_provider)`` to pass to ``pretrain()``. Unchanged (Megatron builds
-    from ``cfg_container.model``, no provider) unless ``--pipeline-schedule`` is a V-layout
-    schedule: then the provider builds V-layout chunks from the same model config
-    (:func:`v_layout_model_provider` over :func:`model_provider_from_config`) and
-    ``cfg_container.model`` is set to None, so ``pretrain()`` takes the provider."""
-    if not uses_v_layout(args) or getattr(cfg_container, "model", None) is None:
-        return cfg_container, None
-    provider = v_layout_model_provider(model_provider_from_config(cfg_container.model))
-    cfg_container.model = None
-    return cfg_container, provider
-
 
 
 def adapt_pretrain_gpt_for_v_layout(pretrain_gpt_module) -> None:

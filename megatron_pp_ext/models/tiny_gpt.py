@@ -36,6 +36,11 @@ With ``p`` pipeline ranks and ``v`` model chunks per rank there are ``S = p * v`
   5. a schedule driving V chunks must pass ``is_last_stage`` (and ``vp_stage``) to Megatron's
      ``forward_step`` explicitly; ``forward_step_calc_loss``'s fallback asks
      ``parallel_state.is_pipeline_last_stage``, which answers for the loop placement.
+* ``layout="dual"`` (dualpipe; ``v = 2``): the model is split into ``p`` parts as for 1F1B, and
+  rank ``r`` holds part ``r`` (chunk 0) and a copy of part ``p-1-r`` (chunk 1; its parameters
+  marked ``shared``, so Megatron's grad norm counts each part once). Each chunk is built as a
+  one-chunk 1F1B stage (the config and Megatron's parallel state say no virtual stages while
+  it builds); ``pipeline_stage`` is the part.
 
 Same weights whatever the split: every parameter is initialized from its *global* name (e.g.
 ``decoder.layers.5.mlp.linear_fc1.weight``) with a generator seeded by (seed, name), so the
@@ -52,6 +57,9 @@ from functools import partial
 from typing import Any, Iterable, Optional, Sequence
 
 import torch
+
+from .. import megatron_compat
+from ..integration.stage_copies import mark_copies
 
 __all__ = [
     "TinyGPTConfig",
@@ -75,7 +83,7 @@ __all__ = [
     "LAYOUTS",
 ]
 
-LAYOUTS = ("loop", "v")
+LAYOUTS = ("loop", "v", "dual")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,8 +177,12 @@ def _check_layout(pp_size: int, vp_size: Optional[int], layout: str) -> int:
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     v = vp_size or 1
-    if layout == "v" and v != 2:
-        raise ValueError(f"layout='v' needs exactly 2 chunks per rank (vp_size=2), got {vp_size}")
+    if layout in ("v", "dual") and v != 2:
+        raise ValueError(f"layout={layout!r} needs exactly 2 chunks per rank (vp_size=2), got "
+                         f"{vp_size}")
+    if layout == "dual" and pp_size % 2:
+        raise ValueError(f"layout='dual' pairs rank r with rank p-1-r: pp_size must be even, "
+                         f"got {pp_size}")
     if pp_size < 1 or v < 1:
         raise ValueError(f"pp_size and vp_size must be >= 1, got {pp_size}, {vp_size}")
     return v
@@ -186,7 +198,7 @@ def chunk_stages(
 ) -> list[int]:
     """The stage held by each model chunk of ``pp_rank`` (chunk order = ``vp_stage`` order)."""
     v = _check_layout(pp_size, vp_size, layout)
-    if layout == "v":
+    if layout in ("v", "dual"):  # dual: the IR's stages, part r and (stage p + k = part k)
         return [pp_rank, 2 * pp_size - 1 - pp_rank]
     return [c * pp_size + pp_rank for c in range(v)]
 
@@ -254,7 +266,7 @@ def _chunk_sizes(parallel_state, pp_rank: Optional[int], pp_size: Optional[int],
         pp_size = parallel_state.get_pipeline_model_parallel_world_size()
     if vp_size is not None and vp_size < 2:
         vp_size = None
-    if layout == "v" and vp_size is None:
+    if layout in ("v", "dual") and vp_size is None:
         vp_size = 2
     return pp_rank, pp_size, vp_size
 
@@ -350,6 +362,9 @@ def build_model_chunks(
         config = make_transformer_config(cfg, pp_size, vp_size)
     _check_sizes_agree(parallel_state, config, pp_size, vp_size, v)
 
+    if layout == "dual":
+        chunks = _dual_chunks(cfg, pp_rank, pp_size, config, layer_spec, init)
+        return wrap_with_ddp(chunks, config, ddp_config) if wrap_ddp else chunks
     stages = chunk_stages(pp_rank, pp_size, vp_size, layout)
     chunks: list[torch.nn.Module] = []
     for chunk_id, stage in enumerate(stages):
@@ -377,6 +392,44 @@ def build_model_chunks(
 
     if wrap_ddp:
         chunks = wrap_with_ddp(chunks, config, ddp_config)
+    return chunks
+
+
+def _dual_chunks(cfg: TinyGPTConfig, pp_rank: int, pp_size: int, config, layer_spec,
+                 init: bool) -> list[torch.nn.Module]:
+    """dualpipe's two chunks: part r and a copy of part p-1-r, each built as 1F1B's stage (no
+    virtual stages while it builds), the copy's parameters marked ``shared``."""
+    import copy
+
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+
+
+    one_chunk = copy.copy(config)
+    one_chunk.virtual_pipeline_model_parallel_size = None
+    stage_layers(cfg, 0, pp_size)  # validates divisibility
+    chunks = []
+    for chunk_id, part in enumerate((pp_rank, pp_size - 1 - pp_rank)):
+        before = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+        override = megatron_compat.pipeline_rank_override()
+        parallel_state.set_virtual_pipeline_model_parallel_world_size(None)
+        parallel_state.set_pipeline_model_parallel_rank(part)
+        try:
+            model = GPTModel(
+                config=one_chunk, transformer_layer_spec=transformer_layer_spec(one_chunk,
+                                                                                layer_spec),
+                vocab_size=cfg.vocab_size, max_sequence_length=cfg.seq_length,
+                pre_process=part == 0, post_process=part == pp_size - 1,
+                share_embeddings_and_output_weights=False,
+                position_embedding_type="learned_absolute", vp_stage=None)
+        finally:
+            parallel_state.set_virtual_pipeline_model_parallel_world_size(before)
+            parallel_state.set_pipeline_model_parallel_rank(override)
+        _finish_chunk(model, cfg, part, pp_size, init)
+        model.pipeline_part = part
+        if chunk_id == 1:
+            mark_copies(model)
+        chunks.append(model)
     return chunks
 
 

@@ -13,6 +13,8 @@ def report(plan) -> str:  # a pretrain_plan.PretrainPlan
     """The plan as text (see the module docstring)."""
     p, m, v = plan.pp, plan.num_microbatches, plan.chunks
     layout = ("V layout: rank r holds stages r and 2p-1-r" if plan.layout == "v" else
+              "dualpipe: rank r holds part r and a copy of part p-1-r, microbatches from "
+              "both ends" if plan.layout == "dual" else
               "the stages placed as the schedule file places them" if plan.layout == "other"
               else "loop layout: rank r holds stages r, r+p, ..." if v > 1 else
               "rank r holds stage r")

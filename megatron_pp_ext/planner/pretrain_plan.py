@@ -24,8 +24,8 @@ from typing import Any, Sequence
 
 from ..analysis.simulate import CostModel, simulate
 from ..ir import Schedule
-from ..schedules import REGISTRY, build_schedule, is_schedule_file, load_schedule_file
-from ..schedules import schedule_layout
+from ..schedules import (DUAL_LAYOUT, REGISTRY, build_schedule, is_schedule_file,
+                         load_schedule_file, schedule_layout)
 from ..schedules._common import loop_placement, v_placement
 from ..schedules.zb_auto import NAME as ZB_AUTO
 from ..runtime.memory import predicted_peak_bytes
@@ -198,6 +198,12 @@ def plan_pretrain(argv: Sequence[str], schedule: str | None = None,
     args.data_parallel_size = sizes.dp  # as validate_args sets it: a schedule file's m is checked
     options = schedule_options_from_args(args)  # ValueError naming the flag to add or drop
     name = options["schedule"]
+    if layout_of(name) == DUAL_LAYOUT:
+        notes.append("dualpipe holds every part of the model twice (rank r: part r and a copy "
+                     "of part p-1-r): each rank's weights, gradients and optimizer state are "
+                     "those of two 1F1B stages, counted below; the copies' gradients are summed "
+                     "once per step (one exchange of the gradient buffers between ranks r and "
+                     "p-1-r, not priced)")
     if getattr(args, "pp_v_split_flags", None):  # a V schedule put them in a layout string
         notes.append(f"{' '.join(args.pp_v_split_flags)}, applied to the first and the last "
                      "V stage (both on rank 0): the drop-in builds --pipeline-model-parallel-"
@@ -240,6 +246,12 @@ def plan_pretrain(argv: Sequence[str], schedule: str | None = None,
         peak_in_flight=list(peak_activations(built)), memory=memory, timeline=timeline,
         static_rule=rule, stage_costs=stage_costs, gpu=device,
         efficiency=efficiency if device else None, costs_text=costs_text, notes=notes)
+
+
+def layout_of(name: str) -> str | None:
+    """A registered schedule's layout (None for a schedule file)."""
+    spec = REGISTRY.get(name)
+    return None if spec is None else spec.layout
 
 
 def recomputed_layers(args) -> int | None:
@@ -303,7 +315,11 @@ def _chunks_from(args: Any) -> str:
 def _stages(args: Any, name: str, num_layers: int, pp: int, v: int,
             layout: str) -> list[StageLayers]:
     """The layers of every stage, as Megatron splits them (``stage_layers``); an even split
-    that does not divide gets the plan's own message with the sizes that would."""
+    that does not divide gets the plan's own message with the sizes that would. dualpipe:
+    1F1B's p stages, then their copies (stage p + k holds part k)."""
+    if layout == DUAL_LAYOUT:
+        parts = _stages(args, name, num_layers, pp, 1, "loop")
+        return parts + parts
     if not uneven_flags(args) and num_layers % (pp * v):
         stages = pp * v
         lower, upper = (num_layers // stages) * stages, (num_layers // stages + 1) * stages

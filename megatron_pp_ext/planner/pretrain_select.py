@@ -187,8 +187,8 @@ def _chunks_for(name: str, layouts: dict,
                 interleaved: tuple[int | None, ...] = (None,)) -> tuple[int | None, ...]:
     """The chunks per rank the candidate is planned with (``interleaved`` for the schedules
     with several loop chunks, None: the arguments' own; zb-auto both ways: the loop layout and
-    the V layout)."""
-    ways = tuple(chunks for key, chunks in (("one-chunk", 1), ("v", 2))
+    the V layout; dualpipe: 2)."""
+    ways = tuple(chunks for key, chunks in (("one-chunk", 1), ("v", 2), ("dual", 2))
                  if name in layouts[key])
     return ways or interleaved or (None,)
 

@@ -236,12 +236,12 @@ class Executor:
             incoming = self._local.pop(self._local_key(action), None)
         if action.kind == FORWARD and self._memory is not None:
             self._memory.note_input(incoming)
-        if action.kind != FORWARD and (action.stage + 1, action.microbatch) \
-                in self._unsent_activation:
+        after = self.schedule.downstream(action.stage)
+        if action.kind != FORWARD and (after, action.microbatch) in self._unsent_activation:
             # Megatron's backward wants the sent output already deallocated.
             raise RuntimeError(
                 f"rank {self.rank}: {action} runs before the program waits for the send of "
-                f"the activation it computes the gradient of (stage {action.stage + 1}, "
+                f"the activation it computes the gradient of (stage {after}, "
                 f"microbatch {action.microbatch})")
         return incoming
 
@@ -360,13 +360,14 @@ class Executor:
 
     def _hand_over(self, action: Action, produced) -> None:
         """A tensor for a stage on this same rank: detach it so each stage has its own graph."""
-        last = self.schedule.num_stages - 1
-        if action.kind == FORWARD and action.stage < last:
-            self._local[(ACTIVATION, action.stage + 1, action.microbatch)] = (
+        before, after = (self.schedule.upstream(action.stage),
+                         self.schedule.downstream(action.stage))
+        if action.kind == FORWARD and after is not None:
+            self._local[(ACTIVATION, after, action.microbatch)] = (
                 produced.detach().requires_grad_(produced.is_floating_point()))
             self.work.deallocate(produced)
-        elif action.kind != FORWARD and action.stage > 0:
-            self._local[(GRADIENT, action.stage - 1, action.microbatch)] = produced
+        elif action.kind != FORWARD and before is not None:
+            self._local[(GRADIENT, before, action.microbatch)] = produced
         self._sample_memory()
 
     def _check_outgoing(self, tensor, message: Message, action: Action) -> None:

@@ -20,6 +20,7 @@ from typing import Callable
 from ..ir import FORWARD, Schedule, ScheduleError
 from ..program import load as load_with_program
 from ._common import loop_placement, v_placement
+from .dualpipe import build_dualpipe
 from .dualpipev import build_dualpipev
 from .gpipe import build_gpipe
 from .interleaved import build_interleaved
@@ -47,7 +48,7 @@ class ScheduleSpec:
     def allowed_chunks(self, chunks: int | None) -> bool:
         if self.layout == AUTO_LAYOUT:
             return chunks in (None, 1, 2)
-        if self.layout == "v":
+        if self.layout in ("v", DUAL_LAYOUT):
             return chunks == 2
         if self.name == "interleaved":
             return chunks >= 2
@@ -61,6 +62,9 @@ class ScheduleSpec:
 
 
 AUTO_LAYOUT = "auto"
+#: dualpipe's: rank r holds model part r (the first direction) and a copy of part p-1-r (the
+#: second); in the IR the V placement, with each microbatch crossing one half of the stages
+DUAL_LAYOUT = "dual"
 
 
 REGISTRY: dict[str, ScheduleSpec] = {
@@ -82,6 +86,9 @@ REGISTRY: dict[str, ScheduleSpec] = {
         ScheduleSpec("dualpipev", build_dualpipev, "v", 2, True,
                      "v = 2 (V layout); any p >= 1, m >= 1 (m < 2p: the order for 2p "
                      "microbatches, cut to m); match_dualpipe=True: DualPipe's own order"),
+        ScheduleSpec("dualpipe", build_dualpipe, DUAL_LAYOUT, 2, True,
+                     "v = 2 (rank r holds model parts r and p-1-r: every part twice); p even, "
+                     "m >= 2 (fewer than 2p: the order for 2p, cut to m)"),
         ScheduleSpec("v-half", build_v_half, "v", 2, True,
                      "v = 2 (V layout); any p >= 1, m >= 1; about half of 1F1B's activation "
                      "memory"),
@@ -232,14 +239,16 @@ def resolve_schedule(value, asynchronous: bool = False) -> str:
 
 def candidates_by_layout() -> dict[str, tuple[str, ...]]:
     """The registered schedules by how a model is chunked for them: ``one-chunk`` (the loop
-    layout, one chunk per rank), ``loop`` (several chunks per rank: interleaved) and ``v``."""
-    out: dict[str, list[str]] = {"one-chunk": [], "v": [], "loop": []}
+    layout, one chunk per rank), ``loop`` (several chunks per rank: interleaved), ``v`` and
+    ``dual`` (dualpipe: every model part held twice)."""
+    out: dict[str, list[str]] = {"one-chunk": [], "v": [], "loop": [], DUAL_LAYOUT: []}
     for spec in REGISTRY.values():
         if spec.layout == AUTO_LAYOUT:  # builds for either
             out["one-chunk"].append(spec.name)
             out["v"].append(spec.name)
             continue
-        key = "v" if spec.layout == "v" else ("one-chunk" if spec.allowed_chunks(1) else "loop")
+        key = (spec.layout if spec.layout in ("v", DUAL_LAYOUT) else
+               "one-chunk" if spec.allowed_chunks(1) else "loop")
         out[key].append(spec.name)
     return {key: tuple(names) for key, names in out.items()}
 
@@ -258,12 +267,13 @@ def read_schedule_file(path: str) -> str:
 
 def schedule_layout(schedule: Schedule) -> str | None:
     """``"loop"`` (chunk c of rank r is stage c*p + r: Megatron's), ``"v"`` (rank r holds
-    stages r and 2p-1-r), or None for any other stage-to-rank mapping."""
+    stages r and 2p-1-r), ``"dual"`` (dualpipe: rank r holds model parts r and p-1-r), or
+    None for any other stage-to-rank mapping."""
     p, stages = schedule.num_ranks, schedule.num_stages
     if p >= 1 and stages % p == 0 and schedule.stage_to_rank == loop_placement(p, stages // p):
         return "loop"
     if stages == 2 * p and schedule.stage_to_rank == v_placement(p):
-        return "v"
+        return DUAL_LAYOUT if schedule.second_direction_from is not None else "v"
     return None
 
 

@@ -96,9 +96,15 @@ def check_counts(schedule: Schedule) -> None:
 
     forward_only = not any(kind != FORWARD for kind, _, _ in seen)
     split_stages = {stage for kind, stage, _ in seen if kind == BACKWARD_INPUT}
+    for kind, stage, mb in sorted(seen):
+        if stage not in schedule.path(mb):
+            path = schedule.path(mb)
+            raise ScheduleError(
+                f"rank {owner[stage]} runs {stage}{kind}{mb}, but microbatch {mb} crosses "
+                f"stages {path.start}..{path.stop - 1} only (DualPipe's two directions)")
     for stage in range(num_stages):
         rank = owner[stage]
-        for mb in range(m):
+        for mb in (mb for mb in range(m) if stage in schedule.path(mb)):
             if (FORWARD, stage, mb) not in seen:
                 raise ScheduleError(f"rank {rank} is missing {stage}F{mb}")
             if forward_only:
@@ -124,7 +130,7 @@ def check_counts(schedule: Schedule) -> None:
 
 # ---------------------------------------------------------------- 2. local order
 def check_local_order(schedule: Schedule) -> None:
-    owner, last = schedule.stage_to_rank, schedule.num_stages - 1
+    owner = schedule.stage_to_rank
     for rank, row in enumerate(schedule.actions):
         done: set[tuple[str, int, int]] = set()
         for action in row:
@@ -134,16 +140,17 @@ def check_local_order(schedule: Schedule) -> None:
             if kind == BACKWARD_WEIGHT and (BACKWARD_INPUT, stage, mb) not in done:
                 raise ScheduleError(f"rank {rank} runs {action} before {stage}I{mb}")
             # A dependency on this same rank must already have run: nobody else will run it.
-            if kind == FORWARD and stage > 0 and owner[stage - 1] == rank:
-                if (FORWARD, stage - 1, mb) not in done:
+            before, after = schedule.upstream(stage), schedule.downstream(stage)
+            if kind == FORWARD and before is not None and owner[before] == rank:
+                if (FORWARD, before, mb) not in done:
                     raise ScheduleError(
-                        f"rank {rank} runs {action} before {stage - 1}F{mb}, whose output it "
+                        f"rank {rank} runs {action} before {before}F{mb}, whose output it "
                         f"needs (both stages live on rank {rank})"
                     )
-            if kind in (BACKWARD, BACKWARD_INPUT) and stage < last and owner[stage + 1] == rank:
-                if (_GRAD, stage + 1, mb) not in done:
+            if kind in (BACKWARD, BACKWARD_INPUT) and after is not None and owner[after] == rank:
+                if (_GRAD, after, mb) not in done:
                     raise ScheduleError(
-                        f"rank {rank} runs {action} before the backward of stage {stage + 1}, "
+                        f"rank {rank} runs {action} before the backward of stage {after}, "
                         f"microbatch {mb}, whose input gradient it needs (both stages live on "
                         f"rank {rank})"
                     )
@@ -163,22 +170,23 @@ def peer_messages(schedule: Schedule) -> tuple[dict, dict]:
     from stage s+1 and sends the input gradient to stage s-1; W communicates nothing.
     Neighbouring stages on the same rank hand over locally: no message.
     """
-    owner, last = schedule.stage_to_rank, schedule.num_stages - 1
+    owner = schedule.stage_to_rank
     sends: dict[tuple[int, int], list] = defaultdict(list)
     receives: dict[tuple[int, int], list] = defaultdict(list)
     for rank, row in enumerate(schedule.actions):
         for action in row:
             kind, stage, mb = action.kind, action.stage, action.microbatch
+            before, after = schedule.upstream(stage), schedule.downstream(stage)
             if kind == FORWARD:
-                if stage > 0 and owner[stage - 1] != rank:
-                    receives[(owner[stage - 1], rank)].append(("act", stage - 1, stage, mb))
-                if stage < last and owner[stage + 1] != rank:
-                    sends[(rank, owner[stage + 1])].append(("act", stage, stage + 1, mb))
+                if before is not None and owner[before] != rank:
+                    receives[(owner[before], rank)].append(("act", before, stage, mb))
+                if after is not None and owner[after] != rank:
+                    sends[(rank, owner[after])].append(("act", stage, after, mb))
             elif kind in (BACKWARD, BACKWARD_INPUT):
-                if stage < last and owner[stage + 1] != rank:
-                    receives[(owner[stage + 1], rank)].append(("grad", stage + 1, stage, mb))
-                if stage > 0 and owner[stage - 1] != rank:
-                    sends[(rank, owner[stage - 1])].append(("grad", stage, stage - 1, mb))
+                if after is not None and owner[after] != rank:
+                    receives[(owner[after], rank)].append(("grad", after, stage, mb))
+                if before is not None and owner[before] != rank:
+                    sends[(rank, owner[before])].append(("grad", stage, before, mb))
     return sends, receives
 
 
@@ -221,17 +229,20 @@ def _window(messages: list, index: int, before: int = 2, after: int = 3) -> str:
 
 
 # ---------------------------------------------------------------- 4. deadlock
-def dependency_of(action: Action, num_stages: int) -> tuple[str, int, int] | None:
+def dependency_of(action: Action, schedule: Schedule) -> tuple[str, int, int] | None:
     """The completion key of the cross-stage input ``action`` waits for, or None.
 
-    An F of (s, mb) needs the F of (s-1, mb); a B or I of (s, mb) needs the backward (B or I)
-    of (s+1, mb). Its own F (for B/I) and I (for W) ran earlier on the same rank.
+    An F of (s, mb) needs the F of its upstream stage (s-1), a B or I the backward (B or I)
+    of its downstream stage (s+1); the first and last stage of a microbatch's path need
+    nothing. Its own F (for B/I) and I (for W) ran earlier on the same rank.
     """
     kind, stage, mb = action.kind, action.stage, action.microbatch
     if kind == FORWARD:
-        return (FORWARD, stage - 1, mb) if stage > 0 else None
+        before = schedule.upstream(stage)
+        return None if before is None else (FORWARD, before, mb)
     if kind in (BACKWARD, BACKWARD_INPUT):
-        return (_GRAD, stage + 1, mb) if stage < num_stages - 1 else None
+        after = schedule.downstream(stage)
+        return None if after is None else (_GRAD, after, mb)
     return None
 
 
@@ -248,7 +259,7 @@ def execute_in_order(schedule: Schedule, run: Callable | None = None) -> list[in
     returns its end time). Returns how far each rank got; a rank short of its list length is
     blocked. O(total actions): a blocked rank is woken only when what it waits for completes.
     """
-    num_stages, rows = schedule.num_stages, schedule.actions
+    rows = schedule.actions
     done: dict[tuple[str, int, int], object] = {}
     waiting: dict[tuple[str, int, int], list[int]] = {}  # completion key -> ranks blocked on it
     position = [0] * len(rows)
@@ -258,7 +269,7 @@ def execute_in_order(schedule: Schedule, run: Callable | None = None) -> list[in
         row = rows[rank]
         while position[rank] < len(row):
             action = row[position[rank]]
-            dep = dependency_of(action, num_stages)
+            dep = dependency_of(action, schedule)
             if dep is not None and dep not in done:
                 waiting.setdefault(dep, []).append(rank)
                 break
@@ -277,7 +288,7 @@ def check_deadlock(schedule: Schedule) -> None:
 
 def explain_blocked(schedule: Schedule, position: list[int]) -> None:
     """Raise naming the cycle of waiting ranks (or the action that never exists), if any."""
-    rows, num_stages = schedule.actions, schedule.num_stages
+    rows = schedule.actions
     blocked = [r for r in range(len(rows)) if position[r] < len(rows[r])]
     if not blocked:
         return
@@ -285,7 +296,7 @@ def explain_blocked(schedule: Schedule, position: list[int]) -> None:
     waits_for: dict[int, tuple[Action, Action, int]] = {}  # rank -> (blocked, needed, its rank)
     for rank in blocked:
         action = rows[rank][position[rank]]
-        dep = dependency_of(action, num_stages)
+        dep = dependency_of(action, schedule)
         if dep is None or dep not in existing:
             needed = _describe_key(dep) if dep else "nothing"
             raise ScheduleError(

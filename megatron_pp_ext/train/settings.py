@@ -172,8 +172,8 @@ class TrainSettings:
         if self.chunks is not None and self.chunks < 1:
             raise ValueError(f"--chunks {self.chunks} must be >= 1")
         if spec is not None and not spec.allowed_chunks(self.v):
-            rule = {"v": "2 (the V layout)", "loop": "1",
-                    "auto": "1 (the loop layout) or 2 (the V layout)"}[spec.layout]
+            rule = {"v": "2 (the V layout)", "loop": "1", "dual": "2 (part r and a copy of "
+                    "part p-1-r)", "auto": "1 (the loop layout) or 2 (the V layout)"}[spec.layout]
             if spec.name == "interleaved":
                 rule = ">= 2"
             raise ValueError(f"--chunks {self.v} does not fit {self.schedule}: it needs {rule}")
@@ -182,7 +182,11 @@ class TrainSettings:
                 f"{self.schedule} needs -p 2 or more (at p=1 Megatron runs its own "
                 "no-pipelining loop, which takes one model chunk); use -p 2 or --schedule 1f1b"
             )
-        if self.num_layers % (self.pp * self.v):
+        if self.layout == "dual" and self.num_layers % self.pp:
+            raise ValueError(
+                f"--layers {self.num_layers} must be a multiple of pp = {self.pp} (dualpipe "
+                f"splits the model in p parts, as 1F1B); try --layers {self.pp * 2}")
+        if self.layout != "dual" and self.num_layers % (self.pp * self.v):
             raise ValueError(
                 f"--layers {self.num_layers} must be a multiple of pp*v = {self.pp}*{self.v} "
                 f"(one equal share per stage); try --layers {self.pp * self.v * 2}"

@@ -53,7 +53,8 @@ class EmulatedStageWork:
         self.schedule, self.rank, self.inputs = schedule, rank, inputs
         self.costs = costs or EmulatedCosts()
         self.delay = delay  # extra jitter per action (fuzzing)
-        self.params = {s: weights[s].clone().requires_grad_(True)
+        # dualpipe holds each model part twice: a stage's weights are its part's
+        self.params = {s: weights[schedule.model_stage(s)].clone().requires_grad_(True)
                        for s in schedule.stages_of(rank)}
         self.saved: dict[tuple, tuple] = {}  # (stage, mb) -> (input, output)
         self.pending_weight: dict[tuple, tuple] = {}  # (stage, mb) -> (output, grad)
@@ -68,9 +69,9 @@ class EmulatedStageWork:
     def forward(self, action: Action, input_tensor):
         self._spend("F")
         stage, mb = action.stage, action.microbatch
-        x = self.inputs[mb] if stage == 0 else input_tensor
+        x = self.inputs[mb] if self.schedule.is_entry(stage) else input_tensor
         y = torch.tanh(x @ self.params[stage])
-        if stage == self.schedule.num_stages - 1:
+        if self.schedule.is_exit(stage):
             y = y.sum() / self.schedule.num_microbatches
             self.losses[mb] = float(y.detach())
         self.saved[(stage, mb)] = (input_tensor, y)

@@ -64,7 +64,7 @@ def run_inmemory(schedule, delays=None, costs: EmulatedCosts | None = None, time
     activation bytes (``StepResult.peak_bytes``; off by default, as in the package: the
     autograd walk after every F costs a quarter of such a run's CPU)."""
     work_class = PairingWork if pairs else RecordingWork
-    weights = stage_weights(schedule.num_stages, WIDTH)
+    weights = stage_weights(schedule.model_stages, WIDTH)
     inputs = microbatch_inputs(schedule.num_microbatches, ROWS, WIDTH)
     if nccl_rules:
         fabric = fabric or NcclRulesFabric(schedule.num_ranks)
@@ -107,9 +107,9 @@ def reference_gradients(num_stages: int, num_microbatches: int, rows: int = ROWS
 def assert_equals_pp1(results, schedule, where: str = "") -> None:
     """Every stage's gradient and every microbatch's loss of an in-memory run equal the pp=1
     run's (float64: to 1e-12)."""
-    grads, losses = gathered(results)
+    grads, losses = gathered(results, schedule)
     m = schedule.num_microbatches
-    want, want_losses = reference_gradients(schedule.num_stages, m)
+    want, want_losses = reference_gradients(schedule.model_stages, m)
     assert sorted(grads) == sorted(want), where
     for stage, grad in want.items():
         torch.testing.assert_close(grads[stage], grad, rtol=1e-12, atol=1e-12,
@@ -119,9 +119,13 @@ def assert_equals_pp1(results, schedule, where: str = "") -> None:
         (where, got, want_losses)
 
 
-def gathered(results):
+def gathered(results, schedule=None):
+    """Every stage's gradient and every microbatch's loss; with ``schedule`` the gradients
+    are per model part, a dualpipe part's two copies summed (what the drop-in's sum does)."""
     grads, losses = {}, {}
     for _result, work in results:
-        grads.update(work.gradients())
+        for stage, grad in work.gradients().items():
+            part = stage if schedule is None else schedule.model_stage(stage)
+            grads[part] = grad if part not in grads else grads[part] + grad
         losses.update(work.losses)
     return grads, losses

@@ -472,8 +472,9 @@ def run_pretrain(rank: int, world_size: int, argv: Sequence[str],
                                                    "weight_grads", None))
             history["overlapped_pairs"].append(getattr(state, "overlapped_pairs", None))
             history["mtp loss"].append(_mtp_losses_of_the_step())
-            history["grad_ready_as_learned"].append(_grad_ready_as_learned(
-                kwargs.get("model", args[2] if len(args) > 2 else None)))
+            model = kwargs.get("model", args[2] if len(args) > 2 else None)
+            history["grad_ready_as_learned"].append(_grad_ready_as_learned(model))
+            history["part_digests"] = _part_digests(model)
             auto = getattr(state, "auto", None)
             history["auto_choice"] = getattr(getattr(auto, "choice", None), "schedule", None)
             if record_to is not None:
@@ -509,6 +510,28 @@ def run_pretrain(rank: int, world_size: int, argv: Sequence[str],
              "skipped": r.skipped, "replayed": r.replayed, "iteration": r.iteration}
             for r in installation.train_step.reports]
     return history
+
+
+def _part_digests(model) -> dict[int, str]:
+    """dualpipe: {model part: a digest of its chunk's parameters, in build order} for the
+    chunks of this rank after the step (both copies of a part must stay equal); {} for any
+    other layout."""
+    import hashlib
+
+    from megatron.core.utils import get_attr_wrapped_model
+
+    digests = {}
+    for chunk in model or []:
+        inner = get_attr_wrapped_model(chunk, "pre_process", return_model_obj=True)
+        part = getattr(inner, "pipeline_part", None)
+        if part is None:
+            continue
+        digest = hashlib.sha256()
+        for name, param in inner.named_parameters():
+            digest.update(name.encode())
+            digest.update(param.detach().float().cpu().numpy().tobytes())
+        digests[part] = digest.hexdigest()[:16]
+    return digests
 
 
 def _grad_ready_as_learned(model) -> bool | None:
@@ -606,7 +629,12 @@ def merge_history(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
     stages = {}
     for result in results:  # data-parallel replicas build the same stages
         stages.update(result.get("stages", {}))
+    part_digests: dict[int, list[str]] = {}  # dualpipe: each part's copies, every replica
+    for result in results:
+        for part, digest in sorted(result.get("part_digests", {}).items()):
+            part_digests.setdefault(part, []).append(digest)
     return {"lm loss": losses, "eval lm loss": reporting[0].get("eval lm loss", []),
+            "part_digests": part_digests,
             "stages": dict(sorted(stages.items())), "mtp loss": mtp[0] if mtp else None,
             "auto_choice": [r.get("auto_choice") for r in results],
             "grad_ready_as_learned": [r.get("grad_ready_as_learned") for r in results],
