@@ -27,6 +27,7 @@ from megatron_pp_ext.schedules import build_schedule
 from megatron_pp_ext.train.processes import SpawnError, spawn
 from support.megatron_loop import (
     NUM_LAYERS,
+    assert_dualpipe_copies_equal,
     assert_v_trains_as,
     merge_history,
     pretrain_argv,
@@ -187,6 +188,22 @@ def test_zb_v_with_the_flag_runs_every_f_and_i_through_the_plan_bit_identical():
         assert with_flag["weight_grads"][0]["deferred"] == without["weight_grads"][0]["deferred"]
 
 
+def test_dualpipe_trains_the_moe_gpt_as_megatrons_1f1b_with_and_without_the_flag(megatron_1f1b):
+    """dualpipe (the bidirectional DualPipe) on the MoE GPT: each rank's two parts (its own
+    and a copy of its partner's) with their experts, the copies' gradients summed per expert-
+    parallel rank; with --overlap-moe-expert-parallel-comm its F&B pairs (F of one direction,
+    B of the other: 2 per step on each rank at p = 2, m = 4) go through Megatron's combined
+    step. Both train as Megatron's 1F1B (measured: bit-identical), the copies stay equal."""
+    for overlap, pairs in ((False, None), (True, 2)):
+        ranks = _pretrain("dualpipe", 2, overlap=overlap)
+        out = merge_history(ranks)
+        assert out["schedule"] == "ScheduleFunction('dualpipe')"
+        assert_v_trains_as(out, megatron_1f1b)
+        assert out["lm loss"][0] == megatron_1f1b["lm loss"][0]
+        assert all(r["overlapped_pairs"] == [pairs] * ITERS for r in ranks)
+        assert_dualpipe_copies_equal(out["part_digests"], replicas=2)
+
+
 # ------------------------------------------------ DeepSeek-V3's shape (issue 41, item 3)
 
 DEEPSEEK = MOE + ["--moe-shared-expert-intermediate-size", "64", "--disable-bias-linear",
@@ -224,3 +241,25 @@ def test_a_deepseek_v3_shaped_model_trains_under_the_v_schedules_as_megatrons_1f
         assert out["lm loss"] == ref["lm loss"] and out["mtp loss"] == ref["mtp loss"]
         assert out["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-6)
         assert all(r["overlapped_pairs"] == [pairs] * ITERS for r in ranks)
+
+
+def test_a_deepseek_v3_shaped_model_trains_under_dualpipe_as_megatrons_1f1b():
+    """The same recipe under dualpipe, DeepSeek's own schedule, with the flag: its parts are
+    1F1B's stages, so the layout string (which places layers per V stage) is left out on both
+    sides: 1F1B's even split, the MTP layer with the loss on the last stage (rank p-1, and its
+    copy on rank 0). The same losses as Megatron's 1F1B (the MTP loss summed over both loss
+    ranks, in another order: fp32), 2 F&B pairs per step on each rank, copies equal."""
+    argv = pretrain_argv(pp=2, dp=2, iters=ITERS, num_microbatches=M, extra=DEEPSEEK)
+    ref = merge_history(spawn(4, run_pretrain, argv, global_init=False, timeout_s=TIMEOUT))
+    argv = pretrain_argv(pp=2, dp=2, schedule="dualpipe", vp=2, iters=ITERS,
+                         num_microbatches=M, extra=DEEPSEEK + [OVERLAP])
+    ranks = spawn(4, run_pretrain, argv, global_init=False, timeout_s=TIMEOUT)
+    out = merge_history(ranks)
+    assert out["schedule"] == "ScheduleFunction('dualpipe')"
+    assert out["lm loss"] == pytest.approx(ref["lm loss"], rel=1e-6)
+    assert out["lm loss"][0] == ref["lm loss"][0]
+    for got, want in zip(out["mtp loss"], ref["mtp loss"]):
+        assert got == pytest.approx(want, rel=1e-6)
+    assert out["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-6)
+    assert all(r["overlapped_pairs"] == [2] * ITERS for r in ranks)
+    assert_dualpipe_copies_equal(out["part_digests"], replicas=2)

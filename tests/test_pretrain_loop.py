@@ -36,6 +36,7 @@ import pytest
 
 from support.megatron_loop import (
     FIRST_STEP_RTOL,
+    assert_dualpipe_copies_equal,
     assert_v_trains_as,
     merge_history,
     pretrain_argv,
@@ -215,8 +216,7 @@ def _assert_dualpipe_built_1f1b_twice(out, ref, replicas: int):
         assert out["stages"][part] == ref["stages"][part]
         assert out["stages"][p + part] == ref["stages"][part]
     assert sorted(out["part_digests"]) == list(range(p))
-    for part, digests in out["part_digests"].items():
-        assert len(digests) == 2 * replicas and len(set(digests)) == 1, (part, digests)
+    assert_dualpipe_copies_equal(out["part_digests"], replicas)
 
 
 def test_dualpipe_trains_as_megatrons_1f1b(megatron_1f1b):

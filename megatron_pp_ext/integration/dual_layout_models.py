@@ -127,6 +127,7 @@ def dual_layout_model_provider(model_provider, transformer_config=None):
         model.pipeline_v_layout = model.pipeline_dual_layout = True
         if vp_stage == 1:
             mark_copies(model)
+            _checkpoint_as_replica(model)
         built[vp_stage] = model
         _start_tied_copies(built)
         _patch_once()
@@ -134,6 +135,28 @@ def dual_layout_model_provider(model_provider, transformer_config=None):
 
     provider.dual_layout = True
     return provider
+
+
+def _checkpoint_as_replica(model) -> None:
+    """A copy's distributed-checkpoint entries are replicas of its partner's chunk 0 (same
+    keys, same global offsets): saved once, by the main replica, and loadable into 1F1B or
+    back into dualpipe (each copy loads the same values)."""
+    original = model.sharded_state_dict
+
+    @functools.wraps(original)
+    def sharded_state_dict(*args, **kwargs):
+        from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+        state = original(*args, **kwargs)
+        for entry in nested_values(state):
+            replica_id = getattr(entry, "replica_id", None)
+            if replica_id is None:
+                continue
+            entry.replica_id = ((replica_id[0] + 1, *replica_id[1:])
+                                if isinstance(replica_id, tuple) else replica_id + 1)
+        return state
+
+    model.sharded_state_dict = sharded_state_dict
 
 
 def _one_chunk_config(config, built: dict):

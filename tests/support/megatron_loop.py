@@ -47,6 +47,7 @@ __all__ = [
     "run_pretrain_of_rank",
     "run_pretrain_shared",
     "merge_history",
+    "assert_dualpipe_copies_equal",
     "assert_v_trains_as",
     "apply_cpu_patches",
     "with_global_init",
@@ -515,10 +516,14 @@ def run_pretrain(rank: int, world_size: int, argv: Sequence[str],
 def _part_digests(model) -> dict[int, str]:
     """dualpipe: {model part: a digest of its chunk's parameters, in build order} for the
     chunks of this rank after the step (both copies of a part must stay equal); {} for any
-    other layout."""
+    other layout. With expert parallelism each rank holds its own experts: the digest is
+    prefixed with the rank's expert-parallel rank ("ep1:...")."""
     import hashlib
 
+    from megatron.core import parallel_state
     from megatron.core.utils import get_attr_wrapped_model
+
+    ep_rank = parallel_state.get_expert_model_parallel_rank()
 
     digests = {}
     for chunk in model or []:
@@ -530,7 +535,7 @@ def _part_digests(model) -> dict[int, str]:
         for name, param in inner.named_parameters():
             digest.update(name.encode())
             digest.update(param.detach().float().cpu().numpy().tobytes())
-        digests[part] = digest.hexdigest()[:16]
+        digests[part] = f"ep{ep_rank}:{digest.hexdigest()[:16]}"
     return digests
 
 
@@ -655,6 +660,18 @@ def merge_history(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
 FIRST_STEP_RTOL = 1e-6
 TRAJECTORY_LOSS_RTOL = 1e-4
 TRAJECTORY_GRAD_NORM_RTOL = 2e-3
+
+
+def assert_dualpipe_copies_equal(part_digests: dict, replicas: int) -> None:
+    """dualpipe: every part held 2 x ``replicas`` times (two copies per data-parallel
+    replica), and after the run the copies equal wherever they hold the same experts (one
+    expert-parallel rank; without MoE: all of them)."""
+    for part, digests in part_digests.items():
+        assert len(digests) == 2 * replicas, (part, digests)
+        by_ep: dict = {}
+        for digest in digests:
+            by_ep.setdefault(digest.split(":")[0], set()).add(digest)
+        assert all(len(same) == 1 for same in by_ep.values()), (part, digests)
 
 
 def assert_v_trains_as(out: dict, ref: dict) -> None:
