@@ -3,7 +3,8 @@
 A rank's part of the model costs ``t_F`` for a forward, ``t_I`` for the input-gradient half of
 a backward and ``t_W`` for its weight-gradient half (a full backward ``t_B = t_I + t_W``): the
 stages sleep those times, standing in for GPU kernels that leave the CPU free. A schedule with
-``v`` chunks per rank (interleaved, zb-v, dualpipev) runs chunks costing ``1/v`` of that, so
+``v`` chunks per rank (interleaved, zb-v, dualpipev) runs chunks costing ``1/v`` of that
+(dualpipe's two chunks are whole parts, each microbatch crossing one of them: ``t``), so
 every schedule does the same work per rank (``m (t_F + t_I + t_W)``), as in
 ``megatron_pp_ext.analysis.select``.
 
@@ -66,7 +67,7 @@ from megatron_pp_ext.schedules import build_schedule
 # Plugin schedules: (label, registry name, v)
 PLUGIN = [("gpipe", "gpipe", 1), ("1f1b", "1f1b", 1), ("interleaved v=2", "interleaved", 2),
           ("zb-h1", "zb-h1", 1), ("zb-h2", "zb-h2", 1), ("zb-v", "zb-v", 2),
-          ("dualpipev", "dualpipev", 2)]
+          ("dualpipev", "dualpipev", 2), ("dualpipe", "dualpipe", 2)]
 # Runs on the fake Megatron model: (label, which function, v, what to predict it with)
 MEGATRON = [("megatron 1f1b", "megatron-1f1b", 1, ("1f1b", 1)),
             ("megatron interleaved v=2", "megatron-interleaved", 2, ("interleaved", 2)),
@@ -446,7 +447,7 @@ def tree(rank: int, world: int, setup: Setup) -> dict:
             schedule = labelled_schedule(label, p, m)  # validated once, not timed
             weights = stage_weights(schedule.num_stages, WIDTH)
             inputs = microbatch_inputs(m, ROWS, WIDTH)
-            costs = costs_for(t, schedule.chunks)
+            costs = costs_for(t, schedule.path_chunks)  # dualpipe's stages are whole parts
             runners[label] = (lambda s=schedule, w=weights, i=inputs, c=costs:
                               plugin_step(s, rank, transport, w, i, c))
             tracers[label] = (lambda s=schedule, w=weights, i=inputs, c=costs:
@@ -548,9 +549,10 @@ def predict(name: str, v: int, p: int, m: int, t: float, t_comm: float, post: fl
     """Simulated step (and, for k > 1, steady back-to-back period). ``post``: a per-action
     overhead added to every F, I and B (each posts a send and/or a receive; W moves
     nothing), for the prediction that also charges the executor's calls to the transport."""
+    schedule = build_schedule(name, p, m, v)
+    v = schedule.path_chunks  # a stage's share of the rank: 1/v (dualpipe: a whole part)
     costs = CostModel.for_stages(t_f=t / v + post, t_i=t / v + post, t_w=t / v,
                                  t_b=2 * t / v + post, t_comm=t_comm)  # per chunk: t / v
-    schedule = build_schedule(name, p, m, v)
     timeline = simulate(schedule, costs, validate=False)
     result = {"makespan": timeline.makespan, "bubble": timeline.bubble_fraction}
     if k > 1:

@@ -187,6 +187,7 @@ def main(argv=None) -> int:
     parser.add_argument("--c-ms", type=float, default=4.0, help="a layer's forward compute")
     parser.add_argument("--layers", type=int, default=1, help="MoE layers per chunk")
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=RESULTS, help="the folder for the results")
     args = parser.parse_args(argv)
     from bench.provenance import current, finish, short
 
@@ -194,6 +195,7 @@ def main(argv=None) -> int:
     rows, raw = [], []
     runs = [(p, m, "dualpipev") for p, m in args.sizes]
     runs.insert(1, (*args.sizes[0], TORCH_DUALPIPEV))
+    runs.insert(2, (*args.sizes[0], "dualpipe"))  # the bidirectional DualPipe, its own pairs
     for p, m, order in runs:
         result = spawn(p, tree, m, args.c_ms / 1000, args.share, args.layers, args.reps, order,
                        timeout_s=1200)[0]
@@ -223,11 +225,11 @@ def main(argv=None) -> int:
         "|---|---|---|---|---|---|---|---|",
         *rows]) + "\n"
     print(text)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "moe_overlap.md").write_text(text)
-    (RESULTS / "moe_overlap.json").write_text(json.dumps(
-        {"provenance": prov, "args": {**vars(args), "sizes": args.sizes}, "runs": raw},
-        indent=1))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "moe_overlap.md").write_text(text)
+    (args.out / "moe_overlap.json").write_text(json.dumps(
+        {"provenance": prov, "args": {**vars(args), "sizes": args.sizes, "out": str(args.out)},
+         "runs": raw}, indent=1))
     return 0
 
 

@@ -462,6 +462,7 @@ def run_step(
         finish_embedding_wgrad_compute(config, embedding_module, last_stage_here, tp_group)
         _finalize_grads(config, models, work, schedule, pp_group, pg_collection,
                         force_all_reduce)
+    if not forward_only:  # dualpipe: both copies of each part get the summed gradient
         sum_stage_copies(models, schedule, rank, transport, timeout)
     if config.timers is not None:
         config.timers("forward-backward").stop()
