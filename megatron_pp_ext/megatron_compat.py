@@ -314,3 +314,14 @@ def gpt_model_config(args, **kwargs):
 
     build = getattr(argument_utils, "gpt_config_from_args", None)
     return None if build is None else build(args, **kwargs)
+
+
+def mtp_tracker_keys() -> tuple[str, ...]:
+    """The per-layer sums ``MTPLossLoggingHelper.tracker`` keeps for logging: 0.19+ tracks
+    loss, correct and total predictions (``save_metrics_to_tracker``); 0.17 and 0.18 the loss
+    alone, as ``values`` (``save_loss_to_tracker``)."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    if hasattr(MTPLossLoggingHelper, "save_metrics_to_tracker"):
+        return ("loss_values", "correct_values", "total_values")
+    return ("values",)

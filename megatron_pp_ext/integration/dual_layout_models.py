@@ -110,7 +110,9 @@ def dual_layout_model_provider(model_provider, transformer_config=None):
                 "--num-virtual-stages-per-pipeline-rank 2")
         pg_collection = copy.copy(pg_collection)
         pg_collection.embd = None  # the tied copies are on one rank: no embedding group
-        one_chunk = _one_chunk_config(config, built)
+        one_chunk = _one_chunk_config(config if config is not None
+                                      else _config_from_args(get_args(), transformer_config),
+                                      built)
         if transformer_config is not None:
             transformer_config.virtual_pipeline_model_parallel_size = None
         part = dual_part(r, p, vp_stage)
@@ -157,6 +159,23 @@ def _checkpoint_as_replica(model) -> None:
         return state
 
     model.sharded_state_dict = sharded_state_dict
+
+
+def _config_from_args(args, transformer_config):
+    """The TransformerConfig Megatron-LM's GPT builder makes from the arguments where
+    ``get_model`` passes none (0.17, 0.18), so that the chunks are built from a copy with no
+    virtual stages (a config made from the arguments with none fails its own checks:
+    ``--overlap-moe-expert-parallel-comm`` needs virtual stages). ``None`` where the provider
+    builds from ``transformer_config`` (a ModelConfig's builder)."""
+    if transformer_config is not None:
+        return None
+    from megatron.training.arguments import core_transformer_config_from_args
+
+    if getattr(args, "yaml_cfg", None) is not None:
+        from megatron.training.yaml_arguments import core_transformer_config_from_yaml
+
+        return core_transformer_config_from_yaml(args, "language_model")
+    return core_transformer_config_from_args(args)
 
 
 def _one_chunk_config(config, built: dict):

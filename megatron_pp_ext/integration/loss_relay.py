@@ -28,6 +28,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from .. import megatron_compat
 from ..ir import Schedule
 from ..runtime.errors import PipelineTimeoutError
 
@@ -142,8 +143,6 @@ def relay_losses(forward_data_store: list, schedule: Schedule, rank: int, pp_gro
     return forward_data_store + relayed
 
 
-_MTP_KEYS = ("loss_values", "correct_values", "total_values")
-
 
 def mtp_metrics_before(schedule: Schedule, config) -> dict | None:
     """dualpipe with multi-token prediction: the MTP metrics tracker's values before the
@@ -153,7 +152,8 @@ def mtp_metrics_before(schedule: Schedule, config) -> dict | None:
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
     tracker = MTPLossLoggingHelper.tracker
-    return {key: tracker[key].clone() for key in _MTP_KEYS if key in tracker}
+    return {key: tracker[key].clone() for key in megatron_compat.mtp_tracker_keys()
+            if key in tracker}
 
 
 def share_mtp_metrics(before: dict | None, config, pp_group, device) -> None:
@@ -166,7 +166,7 @@ def share_mtp_metrics(before: dict | None, config, pp_group, device) -> None:
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
     tracker, layers = MTPLossLoggingHelper.tracker, config.mtp_num_layers
-    for key in _MTP_KEYS:
+    for key in megatron_compat.mtp_tracker_keys():
         current = tracker.get(key)
         base = before.get(key)
         step = (torch.zeros(layers, device=device) if current is None else
