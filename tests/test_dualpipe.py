@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from megatron_pp_ext.analysis.lowering import runtime_program
 from megatron_pp_ext.analysis.simulate import CostModel, simulate
@@ -25,7 +26,7 @@ from megatron_pp_ext.integration.direction_data import (
 from megatron_pp_ext.ir import Action, Schedule, ScheduleError
 from megatron_pp_ext.schedules import build_schedule, schedule_layout
 from megatron_pp_ext.schedules.validate import peak_activations, validate_schedule
-from support.inmemory import assert_equals_pp1, run_inmemory
+from support.inmemory import assert_equals_pp1, reference_gradients, run_inmemory
 
 REFERENCE = json.loads(
     (Path(__file__).parent / "data" / "dualpipe_reference_orders.json").read_text())
@@ -127,6 +128,29 @@ def test_programs_pass_nccl_rules_and_compute_pp1_gradients(p, m):
     assert_equals_pp1(results, schedule, f"p={p} m={m} pairs")
     if m >= 2 * p:
         assert all(work.pairs for _, work in results)
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (6, 12)])
+def test_the_pair_exchange_gives_both_copies_the_summed_gradient_under_nccls_rules(p, m):
+    """The drop-in's pair exchange (``stage_copies.sum_stage_copies``: rank r and p-1-r, one
+    batch each, both parts' gradients in part order), run after the step over the fabric that
+    enforces NCCL's rules: every copy of part k holds the pp = 1 gradient of part k, and the
+    two copies hold the same bits (a + b on one rank, b + a on the other)."""
+    schedule = build_schedule("dualpipe", p, m)
+    results = run_inmemory(schedule, nccl_rules=True, sum_copies=True)
+    want, _ = reference_gradients(schedule.model_stages, m)
+    copies = {}
+    for _, work in results:
+        for stage, grad in work.gradients().items():
+            copies.setdefault(schedule.model_stage(stage), []).append(grad)
+    assert sorted(copies) == list(range(p))
+    for part, (first, second) in sorted(copies.items()):
+        assert torch.equal(first, second), f"part {part}: its copies differ"
+        torch.testing.assert_close(first, want[part], rtol=1e-12, atol=1e-12)
+        # without the exchange a copy holds one direction's share: not the whole gradient
+    alone = run_inmemory(schedule, nccl_rules=True)
+    half = next(work for _, work in alone).gradients()[0]
+    assert not torch.allclose(half, want[0], rtol=1e-6, atol=1e-9)
 
 
 def test_each_chunk_reads_its_directions_batches():

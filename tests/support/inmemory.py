@@ -10,6 +10,7 @@ from support.emulated import (
     microbatch_inputs,
     stage_weights,
 )
+from megatron_pp_ext.integration.stage_copies import sum_stage_copies
 from megatron_pp_ext.runtime.executor import Executor, program_for
 from megatron_pp_ext.runtime.inmemory import run_ranks_in_threads
 from megatron_pp_ext.runtime.transport import InMemoryTransport
@@ -54,7 +55,7 @@ class PairingWork(RecordingWork):
 def run_inmemory(schedule, delays=None, costs: EmulatedCosts | None = None, timeout_s=20.0,
                  trace=False, nccl_rules=False, variable_shapes=False, timers=None,
                  fabric: NcclRulesFabric | None = None, program=None, pairs=False,
-                 memory: bool = False):
+                 memory: bool = False, sum_copies: bool = False):
     """Returns per rank: (StepResult, RecordingWork). ``nccl_rules``: over the fabric that
     enforces NCCL's rules (support.nccl_fabric; pass ``fabric`` to read what was posted),
     posting as the executor does on NCCL. ``timers``: one Megatron ``Timers`` per rank (a
@@ -62,7 +63,9 @@ def run_inmemory(schedule, delays=None, costs: EmulatedCosts | None = None, time
     when the caller has it (else the one ``executor.program_for`` would pick). ``pairs``: the
     stages compute DualPipe's F&B pairs in one call (``PairingWork``). ``memory``: measure
     activation bytes (``StepResult.peak_bytes``; off by default, as in the package: the
-    autograd walk after every F costs a quarter of such a run's CPU)."""
+    autograd walk after every F costs a quarter of such a run's CPU). ``sum_copies``: after
+    the step, dualpipe's pair exchange (``stage_copies.sum_stage_copies``, the drop-in's) over
+    the same transport gives both copies of each part the summed gradient."""
     work_class = PairingWork if pairs else RecordingWork
     weights = stage_weights(schedule.model_stages, WIDTH)
     inputs = microbatch_inputs(schedule.num_microbatches, ROWS, WIDTH)
@@ -83,10 +86,24 @@ def run_inmemory(schedule, delays=None, costs: EmulatedCosts | None = None, time
                             timeout_s=timeout_s, trace=trace, variable_shapes=variable_shapes,
                             timers=timers[rank] if timers else None, memory=memory,
                             program=program)
-        return executor.run(), work
+        result = executor.run()
+        if sum_copies:
+            chunks = [_Chunk(work.params[stage]) for stage in schedule.stages_of(rank)]
+            sum_stage_copies(chunks, schedule, rank, transport, timeout_s)
+        return result, work
 
     return run_ranks_in_threads(schedule.num_ranks, rank_fn, timeout_s=timeout_s + 10,
                                 fabric=fabric)
+
+
+class _Chunk:
+    """A model chunk as ``stage_copies.gradient_tensors`` reads one: its parameters' grads."""
+
+    def __init__(self, weight):
+        self.weight = weight
+
+    def parameters(self):
+        return [self.weight]
 
 
 def reference_gradients(num_stages: int, num_microbatches: int, rows: int = ROWS,
