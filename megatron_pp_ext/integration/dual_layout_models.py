@@ -42,6 +42,7 @@ from .v_layout_models import (
     _pipeline_rank_as,
     _put_back_group,
     _seeded_as_pipeline_rank,
+    two_chunk_placement,
 )
 
 
@@ -92,24 +93,10 @@ def dual_layout_model_provider(model_provider, transformer_config=None):
     @functools.wraps(model_provider)
     def provider(pre_process=True, post_process=True, vp_stage=None, config=None,
                  pg_collection=None, **kwargs):
-        import torch.distributed as dist
-        from megatron.core import parallel_state
-        from megatron.core.process_groups_config import ProcessGroupCollection
         from megatron.training import get_args
 
         check_dual_args(get_args())
-        if pg_collection is None:
-            pg_collection = ProcessGroupCollection.use_mpu_process_groups()
-        pp_group = getattr(pg_collection, "pp", None)
-        if pp_group is None:
-            pp_group = parallel_state.get_pipeline_model_parallel_group()
-        p, r = dist.get_world_size(pp_group), dist.get_rank(pp_group)
-        if vp_stage not in (0, 1):
-            raise ValueError(
-                f"dualpipe builds 2 model chunks per rank, got vp_stage={vp_stage}: add "
-                "--num-virtual-stages-per-pipeline-rank 2")
-        pg_collection = copy.copy(pg_collection)
-        pg_collection.embd = None  # the tied copies are on one rank: no embedding group
+        pg_collection, p, r = two_chunk_placement(pg_collection, vp_stage, "dualpipe")
         one_chunk = _one_chunk_config(config if config is not None
                                       else _config_from_args(get_args(), transformer_config),
                                       built)

@@ -60,6 +60,29 @@ def v_chunk_stage(pp_rank: int, pp_size: int, vp_stage: int) -> int:
     return pp_rank if vp_stage == 0 else 2 * pp_size - 1 - pp_rank
 
 
+
+def two_chunk_placement(pg_collection, vp_stage, layout: str):
+    """For a provider of two chunks per rank (the V layout, dualpipe): the process groups
+    its chunks are built with, no embedding group (its all-reduces pair the first and the
+    last pipeline rank, and here the tied copies are on one rank), and the pipeline's size and
+    this rank; a ValueError unless ``vp_stage`` is 0 or 1."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    if pg_collection is None:
+        pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+    pp_group = getattr(pg_collection, "pp", None)
+    if pp_group is None:
+        pp_group = parallel_state.get_pipeline_model_parallel_group()
+    if vp_stage not in (0, 1):
+        raise ValueError(
+            f"{layout} builds 2 model chunks per rank, got vp_stage={vp_stage}: add "
+            "--num-virtual-stages-per-pipeline-rank 2")
+    placed = copy.copy(pg_collection)
+    placed.embd = None
+    return placed, dist.get_world_size(pp_group), dist.get_rank(pp_group)
+
 def v_layout_model_provider(model_provider, loop_init: bool = True):
     """Wrap a Megatron-LM model provider (``pretrain_gpt.py``'s, or any with its keywords
     ``pre_process, post_process, vp_stage, config, pg_collection``) so that Megatron's
@@ -100,24 +123,7 @@ def v_layout_model_provider(model_provider, loop_init: bool = True):
     @functools.wraps(model_provider)
     def provider(pre_process=True, post_process=True, vp_stage=None, config=None,
                  pg_collection=None, **kwargs):
-        import torch.distributed as dist
-        from megatron.core import parallel_state
-        from megatron.core.process_groups_config import ProcessGroupCollection
-
-        if pg_collection is None:
-            pg_collection = ProcessGroupCollection.use_mpu_process_groups()
-        pp_group = getattr(pg_collection, "pp", None)
-        if pp_group is None:
-            pp_group = parallel_state.get_pipeline_model_parallel_group()
-        p, r = dist.get_world_size(pp_group), dist.get_rank(pp_group)
-        if vp_stage not in (0, 1):
-            raise ValueError(
-                f"the V layout builds 2 model chunks per rank, got vp_stage={vp_stage}: "
-                "add --num-virtual-stages-per-pipeline-rank 2")
-        # No chunk joins Megatron's embedding group: its all-reduces pair the first and the
-        # last pipeline rank, and here the tied copies are on one rank.
-        pg_collection = copy.copy(pg_collection)
-        pg_collection.embd = None
+        pg_collection, p, r = two_chunk_placement(pg_collection, vp_stage, "the V layout")
 
         def build(stage: int):
             with _pipeline_rank_as(stage % p), \
