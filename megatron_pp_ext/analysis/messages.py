@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from ..ir import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action, Schedule
 from ..schedules.validate import execute_in_order
@@ -20,8 +21,10 @@ from ..schedules.validate import execute_in_order
 ACTIVATION, GRADIENT = "forward", "backward"  # what a message carries, in Megatron's words
 
 
-@dataclass(frozen=True)
-class Message:
+class Message(NamedTuple):
+    """One message, as the receiving side names it. A tuple: a program at p=64 hashes and
+    compares some 10^6 of them (the lowering's inbox and ops), at C speed."""
+
     peer: int
     carries: str  # ACTIVATION or GRADIENT
     stage: int  # the stage that consumes it
@@ -35,25 +38,33 @@ class CommPlan:
 
 
 def comm_plan(schedule: Schedule, rank: int) -> list[CommPlan]:
+    neighbours = stage_neighbours(schedule)
+    to_rank = schedule.stage_to_rank
     plans = []
     for action in schedule.actions[rank]:
         s, mb = action.stage, action.microbatch
-        before, after = schedule.upstream(s), schedule.downstream(s)
-        remote_before = before is not None and schedule.rank_of(before) != rank
-        remote_after = after is not None and schedule.rank_of(after) != rank
+        before, after = neighbours[s]
+        remote_before = before is not None and to_rank[before] != rank
+        remote_after = after is not None and to_rank[after] != rank
         recv = send = None
         if action.kind == FORWARD:
             if remote_before:
-                recv = Message(schedule.rank_of(before), ACTIVATION, s, mb)
+                recv = Message(to_rank[before], ACTIVATION, s, mb)
             if remote_after:
-                send = Message(schedule.rank_of(after), ACTIVATION, after, mb)
+                send = Message(to_rank[after], ACTIVATION, after, mb)
         elif action.kind != BACKWARD_WEIGHT:
             if remote_after:
-                recv = Message(schedule.rank_of(after), GRADIENT, s, mb)
+                recv = Message(to_rank[after], GRADIENT, s, mb)
             if remote_before:
-                send = Message(schedule.rank_of(before), GRADIENT, before, mb)
+                send = Message(to_rank[before], GRADIENT, before, mb)
         plans.append(CommPlan(recv, send))
     return plans
+
+
+def stage_neighbours(schedule: Schedule) -> list[tuple[int | None, int | None]]:
+    """Per stage, (its upstream stage, its downstream stage): looked up once per stage, not
+    once per action."""
+    return [(schedule.upstream(s), schedule.downstream(s)) for s in range(schedule.num_stages)]
 
 
 #: Megatron's P2PCommunicator timer for each of its calls (config.timers, log_level 2)

@@ -25,6 +25,7 @@ from collections import defaultdict
 from ..ir import ScheduleError
 from ..program import RECV, SEND, Batch, Compute, P2POp, Post, Program, Wait
 from .gc_pause import gc_paused
+from .nccl_play import NcclPlay
 
 @gc_paused
 def check_nccl_rules(program: Program, feeds: list | None = None) -> None:
@@ -34,9 +35,9 @@ def check_nccl_rules(program: Program, feeds: list | None = None) -> None:
     program that hangs early costs only its start; one that passes ends lowered whole."""
     if feeds is None:
         _check_pairing(program)
-        _Player(program).play()
+        _Player(program).check()
         return
-    _Player(program, feeds).play()
+    _Player(program, feeds).check()
     _check_pairing(program)
 
 
@@ -66,95 +67,14 @@ def _check_pairing(program: Program) -> None:
                 f"{pair[1]}, which receives {len(received)}: the extra ones never complete")
 
 
-class _Player:
-    """Plays every rank's program under NCCL's rules until all finish or nothing moves."""
+class _Player(NcclPlay):
+    """Plays every rank's program under NCCL's rules (``nccl_play``) until all finish or
+    nothing moves; explains where it is stuck."""
 
-    def __init__(self, program: Program, feeds: list | None = None):
-        self.program = program
-        n = len(program.steps)
-        self.feeds = list(feeds) if feeds is not None else [None] * n
-        self.host = [0] * n  # next step of each rank's host
-        self.posted: list[list[Batch]] = [[] for _ in range(n)]
-        self.head = [0] * n  # each rank's running batch (index into posted), stream order
-        self.done: set[tuple[int, int]] = set()  # (rank, batch index) completed
-        self.op_done: set[tuple[int, int, int]] = set()  # (rank, batch index, op index)
-        # (src, dst) -> [(src batch, op index)] / [(dst batch, op index)] in posting order
-        self.sends = defaultdict(list)
-        self.recvs = defaultdict(list)
-        self.matched = defaultdict(int)  # (src, dst) -> pairs already completed
-
-    def play(self) -> None:
-        moved = True
-        while moved:
-            moved = any([self._advance_host(r) for r in range(len(self.host))])
-            moved |= self._transfer()
-            moved |= self._complete_heads()
-        stuck = [r for r in range(len(self.host))
-                 if self.host[r] < len(self.program.steps[r])
-                 or self.head[r] < len(self.posted[r])]
+    def check(self) -> None:
+        stuck = self.play()
         if stuck:
             raise ScheduleError(self._explain(stuck))
-
-    def _more(self, rank: int) -> bool:
-        """Whether the rank's program has a step at its host: lowered further if need be."""
-        steps = self.program.steps[rank]
-        while self.host[rank] >= len(steps):
-            feed = self.feeds[rank]
-            if feed is None:
-                return False
-            if next(feed, StopIteration) is StopIteration:
-                self.feeds[rank] = None
-        return True
-
-    def _advance_host(self, rank: int) -> bool:
-        steps, moved = self.program.steps[rank], False
-        while self._more(rank):
-            step = steps[self.host[rank]]
-            if isinstance(step, Wait) and (rank, step.batch) not in self.done:
-                break
-            if isinstance(step, Post):
-                batch = step.batch
-                self.posted[rank].append(batch)
-                for i, op in enumerate(batch.ops):
-                    pair = (rank, op.peer) if op.kind == SEND else (op.peer, rank)
-                    (self.sends if op.kind == SEND else self.recvs)[pair].append((batch, i))
-            self.host[rank] += 1
-            moved = True
-        return moved
-
-    def _running(self, batch: Batch) -> bool:
-        posted = self.posted[batch.rank]
-        head = self.head[batch.rank]
-        return head < len(posted) and posted[head] is batch
-
-    def _transfer(self) -> bool:
-        """Complete every matched send/receive whose two batches are both running."""
-        moved = False
-        for pair in list(self.sends):
-            sends, recvs = self.sends[pair], self.recvs.get(pair, [])
-            k = self.matched[pair]
-            while k < len(sends) and k < len(recvs):
-                (sb, si), (rb, ri) = sends[k], recvs[k]
-                if not (self._running(sb) and self._running(rb)):
-                    break
-                self.op_done.add((sb.rank, sb.index, si))
-                self.op_done.add((rb.rank, rb.index, ri))
-                k += 1
-                moved = True
-            self.matched[pair] = k
-        return moved
-
-    def _complete_heads(self) -> bool:
-        moved = False
-        for rank, posted in enumerate(self.posted):
-            while self.head[rank] < len(posted):
-                batch = posted[self.head[rank]]
-                if not all((rank, batch.index, i) in self.op_done for i in range(len(batch.ops))):
-                    break
-                self.done.add((rank, batch.index))
-                self.head[rank] += 1
-                moved = True
-        return moved
 
     # ------------------------------------------------------------------ the error
     def _pending_ops(self, rank: int) -> list[tuple[P2POp, str]]:
@@ -164,7 +84,7 @@ class _Player:
             return []
         batch, out = posted[self.head[rank]], []
         for i, op in enumerate(batch.ops):
-            if (rank, batch.index, i) in self.op_done:
+            if self.op_done(batch, i):
                 continue
             out.append((op, self._partner_state(rank, batch, i)))
         return out
@@ -172,7 +92,7 @@ class _Player:
     def _partner_state(self, rank: int, batch: Batch, i: int) -> str:
         op = batch.ops[i]
         pair = (rank, op.peer) if op.kind == SEND else (op.peer, rank)
-        mine = self.sends[pair] if op.kind == SEND else self.recvs[pair]
+        mine = self.sends.get(pair, []) if op.kind == SEND else self.recvs.get(pair, [])
         theirs = self.recvs.get(pair, []) if op.kind == SEND else self.sends.get(pair, [])
         k = next(k for k, (b, j) in enumerate(mine) if b is batch and j == i)
         if k >= len(theirs):

@@ -19,20 +19,19 @@ for its slowest member. Pure: no torch, no communication.
 
 from __future__ import annotations
 
-import functools
 import re
-from collections import defaultdict
 
 from ..ir import Action, Schedule, ScheduleError
 from ..timeline import COMM_WAIT, COMPUTE, P2P, Event, Timeline
 from ..program import SEND, Batch, Compute, Post, Program, Wait
 from .gc_pause import gc_paused
+from .nccl_play import NcclPlay
 from .nccl_rules import check_nccl_rules
 
+_DIGITS = "0123456789"
 _MESSAGE = re.compile(r"(forward|backward) (\d+)[FB]\d+$")
 
 
-@functools.lru_cache(maxsize=1 << 16)  # the labels of a few programs timed in a row
 def _sending_stage(label: str) -> int:
     """The stage that sends the message ``label`` names ("forward 3F2": stage 2 sends it)."""
     match = _MESSAGE.search(label)
@@ -71,124 +70,81 @@ def unit_cost_makespan(program: Program, schedule: Schedule, t_comm: float) -> f
     return max((e.end for e in clock.events), default=0.0)
 
 
-@functools.lru_cache(maxsize=1 << 16)  # the actions of a few programs timed in a row
-def _parsed(text: str) -> Action:
-    return Action.parse(text)
+class _Clock(NcclPlay):
+    """The play of ``nccl_play`` with clocks: each rank's host clock, each batch's start on
+    its rank's stream and its end, each transfer's end; the events of the timeline."""
 
-
-class _Clock:
     def __init__(self, program: Program, duration: dict[str, list[float]],
                  t_comm: list[float]):
-        self.program, self.duration, self.t_comm = program, duration, t_comm
+        super().__init__(program)
+        self.duration, self.t_comm = duration, t_comm
         n = len(program.steps)
-        self.host = [0] * n  # next step of each rank's host
         self.now = [0.0] * n  # each rank's host clock
-        self.posted: list[list[tuple[Batch, float]]] = [[] for _ in range(n)]
-        self.started = [0] * n  # how many of each rank's posted batches have started
-        self.start: dict[tuple[int, int], float] = {}  # (rank, batch) -> start on its stream
-        self.end: dict[tuple[int, int], float] = {}  # (rank, batch) -> completion
-        self.op_end: dict[tuple[int, int, int], float] = {}
-        self.sends, self.recvs = defaultdict(list), defaultdict(list)  # pair -> [(batch, op)]
-        self.matched: dict[tuple[int, int], int] = defaultdict(int)
+        self.posted_at: dict[int, float] = {}  # id(batch) -> when its host posted it
+        self.start: dict[int, float] = {}  # id(batch) -> its start on its rank's stream
+        self.end: list[dict[int, float]] = [{} for _ in range(n)]  # batch index -> its end
+        self.op_end: dict[int, float] = {}  # id(batch) -> its latest transfer's end so far
         self.events: list[Event] = []
+        # an action's cost and a message's time by their text less the microbatch ("12F",
+        # "forward 3F"): a few hundred keys, where a program has 10^5 actions and messages
+        self._cost: dict[str, float] = {}
+        self._comm: dict[str, float] = {}
+
+    def _cost_of(self, text: str) -> float:
+        key = text.rstrip(_DIGITS)
+        cost = self._cost.get(key)
+        if cost is None:
+            action = Action.parse(text)
+            cost = self._cost[key] = self.duration[action.kind][action.stage]
+        return cost
+
+    def _comm_of(self, label: str) -> float:
+        key = label.rstrip(_DIGITS)
+        t = self._comm.get(key)
+        if t is None:
+            t = self._comm[key] = self.t_comm[_sending_stage(label)]
+        return t
 
     def run(self) -> None:
-        moved = True
-        while moved:
-            moved = any([self._advance_host(r) for r in range(len(self.host))])
-            moved |= self._start_batches()
-            moved |= self._transfer()
-            moved |= self._complete_batches()
-        if any(h < len(s) for h, s in zip(self.host, self.program.steps)):
+        if self.play():
             raise ScheduleError(f"{self.program.name}: cannot finish under NCCL's rules "
                                 "(check_nccl_rules names the cycle)")
 
-    def _advance_host(self, rank: int) -> bool:
-        steps, moved = self.program.steps[rank], False
-        while self.host[rank] < len(steps):
-            step = steps[self.host[rank]]
-            if isinstance(step, Wait):
-                end = self.end.get((rank, step.batch))
-                if end is None:
-                    break
-                if end > self.now[rank]:
-                    self.events.append(Event(rank, f"wait batch #{step.batch}"
-                                             + (f" ({step.why})" if step.why else ""),
-                                             self.now[rank], end, COMM_WAIT))
-                    self.now[rank] = end
-            elif isinstance(step, Post):
-                self._post(rank, step.batch)
-            elif isinstance(step, Compute):
-                action = _parsed(step.action)
-                end = self.now[rank] + self.duration[action.kind][action.stage]
-                self.events.append(Event(rank, step.action, self.now[rank], end, COMPUTE))
-                self.now[rank] = end
-            self.host[rank] += 1
-            moved = True
-        return moved
+    def on_wait(self, rank: int, step: Wait) -> None:
+        end = self.end[rank][step.batch]
+        if end > self.now[rank]:
+            self.events.append(Event(rank, f"wait batch #{step.batch}"
+                                     + (f" ({step.why})" if step.why else ""),
+                                     self.now[rank], end, COMM_WAIT))
+            self.now[rank] = end
 
-    def _post(self, rank: int, batch: Batch) -> None:
-        self.posted[rank].append((batch, self.now[rank]))
-        for i, op in enumerate(batch.ops):
-            pair = (rank, op.peer) if op.kind == SEND else (op.peer, rank)
-            (self.sends if op.kind == SEND else self.recvs)[pair].append((batch, i))
+    def on_compute(self, rank: int, step: Compute) -> None:
+        end = self.now[rank] + self._cost_of(step.action)
+        self.events.append(Event(rank, step.action, self.now[rank], end, COMPUTE))
+        self.now[rank] = end
 
-    def _start_batches(self) -> bool:
-        """A posted batch starts once the rank's previous batch has ended (so each rank's
-        started batches are a prefix of its posted ones: ``started[rank]`` of them)."""
-        moved = False
-        for rank, posted in enumerate(self.posted):
-            while self.started[rank] < len(posted):
-                batch, posted_at = posted[self.started[rank]]
-                key = (rank, batch.index)
-                previous = self.end.get((rank, batch.index - 1), 0.0) if batch.index else 0.0
-                if batch.index and (rank, batch.index - 1) not in self.end:
-                    break
-                self.start[key] = max(posted_at, previous)
-                self.started[rank] += 1
-                moved = True
-                if not batch.ops:
-                    self.end[key] = self.start[key]
-        return moved
+    def on_post(self, rank: int, batch: Batch) -> None:
+        self.posted_at[id(batch)] = self.now[rank]
 
-    def _transfer(self) -> bool:
-        moved = False
-        for pair, sends in self.sends.items():
-            recvs, k = self.recvs.get(pair, []), self.matched[pair]
-            while k < len(sends) and k < len(recvs):
-                (sb, si), (rb, ri) = sends[k], recvs[k]
-                send_start = self.start.get((sb.rank, sb.index))
-                recv_start = self.start.get((rb.rank, rb.index))
-                if send_start is None or recv_start is None:
-                    break
-                done = max(send_start, recv_start) + self.t_comm[
-                    _sending_stage(sb.ops[si].label)]
-                self.op_end[(sb.rank, sb.index, si)] = done
-                self.op_end[(rb.rank, rb.index, ri)] = done
-                k += 1
-                moved = True
-            self.matched[pair] = k
-        return moved
+    def on_start(self, rank: int, batch: Batch, previous: Batch | None) -> None:
+        """A batch starts at the later of its posting and the end of the one before it."""
+        previous_end = 0.0 if previous is None else self.end[rank][previous.index]
+        self.start[id(batch)] = max(self.posted_at[id(batch)], previous_end)
 
-    def _complete_batches(self) -> bool:
-        """Only a rank's last started batch can be running: each starts after the one before
-        it has ended."""
-        moved = False
-        for rank, posted in enumerate(self.posted):
-            if not self.started[rank]:
-                continue
-            batch, _ = posted[self.started[rank] - 1]
-            key = (rank, batch.index)
-            if key in self.end:
-                continue
-            ends = [self.op_end.get((rank, batch.index, i)) for i in range(len(batch.ops))]
-            if any(e is None for e in ends):
-                continue
-            self.end[key] = max(ends)
+    def on_transfer(self, send: tuple, recv: tuple) -> None:
+        (sb, si), rb = send, recv[0]
+        done = max(self.start[id(sb)], self.start[id(rb)]) + self._comm_of(sb.ops[si].label)
+        for batch in (sb, rb):
+            if done > self.op_end.get(id(batch), float("-inf")):
+                self.op_end[id(batch)] = done
+
+    def on_complete(self, rank: int, batch: Batch) -> None:
+        """A batch ends when its last op does (one with no ops, when it starts)."""
+        start = self.start[id(batch)]
+        end = self.end[rank][batch.index] = self.op_end.get(id(batch), start)
+        if batch.ops:
             self.events.append(Event(rank, f"#{batch.index} {batch.call or 'p2p'}",
-                                     self.start[key], self.end[key], P2P))
-            moved = True
-        return moved
+                                     start, end, P2P))
 
 
 __all__ = ["time_program", "unit_cost_makespan"]

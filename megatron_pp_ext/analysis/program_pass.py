@@ -38,7 +38,7 @@ from __future__ import annotations
 from ..ir import BACKWARD_WEIGHT, FORWARD, Schedule
 from ..program import RECV, SEND, Batch, Compute, P2POp, Post, Program, Wait
 from .messages import (ACTIVATION, GRADIENT, CommPlan, Inbox, LockstepPosting, Message,
-                       call_name, comm_plan, sent_to_each_rank)
+                       call_name, comm_plan, sent_to_each_rank, stage_neighbours)
 
 
 def op_label(message: Message) -> str:
@@ -85,6 +85,7 @@ class _RankPass:
         self.op_of, self.calls = shared.op_of, shared.calls
         self.rank, self.schedule = rank, schedule
         self.actions = schedule.actions[rank]
+        self.neighbours = stage_neighbours(schedule)  # stage -> (upstream, downstream)
         self.plans = plans
         self.lockstep = lockstep
         self.post_ahead = post_ahead and lockstep is None
@@ -153,7 +154,7 @@ class _RankPass:
             self._take(plan.recv)
         else:
             self.local.discard(_local_key(action))
-        after = self.schedule.downstream(action.stage)
+        after = self.neighbours[action.stage][1]
         if action.kind != FORWARD and after is not None:
             key = self.unsent_activation.get((after, action.microbatch))
             if key is not None:
@@ -163,8 +164,7 @@ class _RankPass:
         """Action i's output, where its consumer is on this rank: held for it."""
         action = self.actions[i]
         if self.plans[i].send is None:
-            before, after = (self.schedule.upstream(action.stage),
-                             self.schedule.downstream(action.stage))
+            before, after = self.neighbours[action.stage]
             if action.kind == FORWARD and after is not None:
                 self.local.add((ACTIVATION, after, action.microbatch))
             elif action.kind not in (FORWARD, BACKWARD_WEIGHT) and before is not None:
