@@ -123,7 +123,8 @@ class Schedule:
     @property
     def model_stages(self) -> int:
         """How many distinct model parts the stages hold (S, or S/2 with two directions)."""
-        return self.num_stages // 2 if self.second_direction_from is not None else self.num_stages
+        stages = len(self.stage_to_rank)  # read directly: called per action in every pass
+        return stages // 2 if self.options.get("second_direction_from") is not None else stages
 
     @property
     def path_chunks(self) -> int:
@@ -159,6 +160,11 @@ class Schedule:
     def is_exit(self, stage: int) -> bool:
         """Whether ``stage`` computes the loss (the output layer's stage)."""
         return stage % self.model_stages == self.model_stages - 1
+
+    def neighbours(self) -> list[tuple[int | None, int | None]]:
+        """Per stage, (``upstream``, ``downstream``): for passes over every action, which
+        look each stage up once instead of once per action."""
+        return [(self.upstream(s), self.downstream(s)) for s in range(self.num_stages)]
 
     def exit_stages(self) -> list[int]:
         return [s for s in range(self.num_stages) if self.is_exit(s)]

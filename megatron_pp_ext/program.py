@@ -16,14 +16,17 @@ import io
 import json
 import re
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from .ir import Schedule, ScheduleError, parse_cell
 
 SEND, RECV = "send", "recv"
 
 
-@dataclass(frozen=True)
-class P2POp:
+class P2POp(NamedTuple):
+    """One side of a message. This and the steps below are tuples: a program at p=64 holds
+    some 10^6 of them, built, compared and read at C speed."""
+
     kind: str  # SEND or RECV
     peer: int  # the other rank
     label: str  # what it carries, the same text on both sides, e.g. "forward 3F2"
@@ -43,13 +46,11 @@ class Batch:
         return f"rank {self.rank} batch #{self.index} ({self.call or 'p2p'}: {ops})"
 
 
-@dataclass(frozen=True)
-class Post:
+class Post(NamedTuple):
     batch: Batch
 
 
-@dataclass(frozen=True)
-class Wait:
+class Wait(NamedTuple):
     batch: int  # index of the rank's batch waited on
     why: str = ""
     op: int | None = None  # which of its ops (None: all of them; NCCL completes them at once)
@@ -69,8 +70,7 @@ class Collective:
         return f"{self.op} on the {self.group} group" + (f" ({self.what})" if self.what else "")
 
 
-@dataclass(frozen=True)
-class Compute:
+class Compute(NamedTuple):
     action: str
     paired: bool = False  # computed in one call with the next Compute (DualPipe's F&B pair)
     collectives: tuple[Collective, ...] = ()  # issued inside, in order (the model's layers)

@@ -16,8 +16,6 @@ the number of MoE layers per stage comes from the model.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from ..ir import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action
 from ..program import Collective, Compute, Program
 
@@ -69,7 +67,7 @@ def with_collectives(program: Program, per_action: dict[tuple[int, str], tuple])
         for step in rank_steps:
             if isinstance(step, Compute):
                 action = Action.parse(step.action)
-                step = replace(step, collectives=per_action.get((action.stage, action.kind), ()))
+                step = step._replace(collectives=per_action.get((action.stage, action.kind), ()))
             annotated.append(step)
         steps.append(annotated)
     return Program(program.name, steps, program.action_starts)

@@ -175,10 +175,12 @@ def _ahead_program(schedule: Schedule, variable_shapes: bool, program: Program,
         check_nccl_rules(ahead)
     except ScheduleError:
         return None
-    plain = [unit_cost_makespan(program, schedule, t_comm) for t_comm in _AHEAD_PROBES]
-    early = [unit_cost_makespan(ahead, schedule, t_comm) for t_comm in _AHEAD_PROBES]
-    faster = all(e <= p for e, p in zip(early, plain)) and any(
-        e < p for e, p in zip(early, plain))
+    faster = False
+    for t_comm in _AHEAD_PROBES:  # stopped at the first probe where it is slower
+        plain, early = (unit_cost_makespan(p, schedule, t_comm) for p in (program, ahead))
+        if early > plain:
+            return None
+        faster |= early < plain
     return ahead if faster else None
 
 

@@ -38,7 +38,7 @@ class CommPlan:
 
 
 def comm_plan(schedule: Schedule, rank: int) -> list[CommPlan]:
-    neighbours = stage_neighbours(schedule)
+    neighbours = schedule.neighbours()
     to_rank = schedule.stage_to_rank
     plans = []
     for action in schedule.actions[rank]:
@@ -59,12 +59,6 @@ def comm_plan(schedule: Schedule, rank: int) -> list[CommPlan]:
                 send = Message(to_rank[before], GRADIENT, before, mb)
         plans.append(CommPlan(recv, send))
     return plans
-
-
-def stage_neighbours(schedule: Schedule) -> list[tuple[int | None, int | None]]:
-    """Per stage, (its upstream stage, its downstream stage): looked up once per stage, not
-    once per action."""
-    return [(schedule.upstream(s), schedule.downstream(s)) for s in range(schedule.num_stages)]
 
 
 #: Megatron's P2PCommunicator timer for each of its calls (config.timers, log_level 2)

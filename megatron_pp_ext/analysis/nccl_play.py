@@ -11,7 +11,8 @@ batches run; a batch completes when all its ops have.
 Work is driven by what changed, not by rounds over every rank and pair: a host is advanced
 when one of its batches completes, a pair is matched when a batch with one of its ops starts
 to run. Each step, op and batch is then handled a bounded number of times, so a play costs
-time linear in the program (the round-based play cost rounds x pairs: 22 s at p=64). Every
+time linear in the program (the round-based play it replaces cost rounds x pairs: 2.0 s of
+CPU to check zb-v at p=64, m=512, this one 0.7 s). Every
 enabled move stays enabled until it is taken, so the end state (finished, or where it is
 stuck) does not depend on the order moves are taken in.
 

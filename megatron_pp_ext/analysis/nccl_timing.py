@@ -65,9 +65,9 @@ def unit_cost_makespan(program: Program, schedule: Schedule, t_comm: float) -> f
     stages = schedule.num_stages
     duration = {"F": [1.0] * stages, "B": [2.0] * stages, "I": [1.0] * stages,
                 "W": [1.0] * stages}
-    clock = _Clock(program, duration, [t_comm] * stages)
+    clock = _Clock(program, duration, [t_comm] * stages, keep_events=False)
     clock.run()
-    return max((e.end for e in clock.events), default=0.0)
+    return clock.makespan()
 
 
 class _Clock(NcclPlay):
@@ -75,8 +75,9 @@ class _Clock(NcclPlay):
     its rank's stream and its end, each transfer's end; the events of the timeline."""
 
     def __init__(self, program: Program, duration: dict[str, list[float]],
-                 t_comm: list[float]):
+                 t_comm: list[float], keep_events: bool = True):
         super().__init__(program)
+        self.keep_events = keep_events  # False: the step time only (``makespan``)
         self.duration, self.t_comm = duration, t_comm
         n = len(program.steps)
         self.now = [0.0] * n  # each rank's host clock
@@ -110,17 +111,24 @@ class _Clock(NcclPlay):
             raise ScheduleError(f"{self.program.name}: cannot finish under NCCL's rules "
                                 "(check_nccl_rules names the cycle)")
 
+    def makespan(self) -> float:
+        """When the last host or stream is done."""
+        return max([*self.now, *(end for ends in self.end for end in ends.values())],
+                   default=0.0)
+
     def on_wait(self, rank: int, step: Wait) -> None:
         end = self.end[rank][step.batch]
         if end > self.now[rank]:
-            self.events.append(Event(rank, f"wait batch #{step.batch}"
-                                     + (f" ({step.why})" if step.why else ""),
-                                     self.now[rank], end, COMM_WAIT))
+            if self.keep_events:
+                self.events.append(Event(rank, f"wait batch #{step.batch}"
+                                         + (f" ({step.why})" if step.why else ""),
+                                         self.now[rank], end, COMM_WAIT))
             self.now[rank] = end
 
     def on_compute(self, rank: int, step: Compute) -> None:
         end = self.now[rank] + self._cost_of(step.action)
-        self.events.append(Event(rank, step.action, self.now[rank], end, COMPUTE))
+        if self.keep_events:
+            self.events.append(Event(rank, step.action, self.now[rank], end, COMPUTE))
         self.now[rank] = end
 
     def on_post(self, rank: int, batch: Batch) -> None:
@@ -142,7 +150,7 @@ class _Clock(NcclPlay):
         """A batch ends when its last op does (one with no ops, when it starts)."""
         start = self.start[id(batch)]
         end = self.end[rank][batch.index] = self.op_end.get(id(batch), start)
-        if batch.ops:
+        if batch.ops and self.keep_events:
             self.events.append(Event(rank, f"#{batch.index} {batch.call or 'p2p'}",
                                      start, end, P2P))
 

@@ -38,7 +38,7 @@ from __future__ import annotations
 from ..ir import BACKWARD_WEIGHT, FORWARD, Schedule
 from ..program import RECV, SEND, Batch, Compute, P2POp, Post, Program, Wait
 from .messages import (ACTIVATION, GRADIENT, CommPlan, Inbox, LockstepPosting, Message,
-                       call_name, comm_plan, sent_to_each_rank, stage_neighbours)
+                       call_name, comm_plan, sent_to_each_rank)
 
 
 def op_label(message: Message) -> str:
@@ -85,7 +85,7 @@ class _RankPass:
         self.op_of, self.calls = shared.op_of, shared.calls
         self.rank, self.schedule = rank, schedule
         self.actions = schedule.actions[rank]
-        self.neighbours = stage_neighbours(schedule)  # stage -> (upstream, downstream)
+        self.neighbours = schedule.neighbours()  # stage -> (upstream, downstream)
         self.plans = plans
         self.lockstep = lockstep
         self.post_ahead = post_ahead and lockstep is None

@@ -10,6 +10,7 @@ import collections
 
 from ..ir import Schedule
 from ..program import Compute, Post, Program, Wait
+from .gc_pause import gc_paused
 from .messages import MEGATRON_TIMERS, message_of
 
 # The compiled steps: (STEP_BEGIN, i), (STEP_COMPUTE, i, paired), (STEP_WAIT, batch, op),
@@ -17,6 +18,7 @@ from .messages import MEGATRON_TIMERS, message_of
 STEP_BEGIN, STEP_COMPUTE, STEP_WAIT, STEP_POST = range(4)
 
 
+@gc_paused
 def compile_steps(program: Program, rank: int, schedule: Schedule,
                   timed: bool = False) -> list[tuple]:
     """Rank ``rank``'s part of ``program`` as the executor runs it; ValueError where its

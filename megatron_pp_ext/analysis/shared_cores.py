@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..ir import BACKWARD_WEIGHT, Action, Schedule
-from ..schedules.validate import (completion_key, dependency_of, explain_blocked,
+from ..schedules.validate import (completion_key, dependencies, explain_blocked,
                                   peak_activations)
 from ..timeline import COMM_WAIT, COMPUTE, Event, Timeline
 from .simulate import CostModel, action_durations
@@ -111,13 +111,14 @@ def simulate_shared_cores(schedule: Schedule, costs: CostModel, cores: float) ->
     running: dict[int, list] = {}
     events: list[Event] = []
     now = 0.0
+    dependency = dependencies(schedule)
     while True:
         next_ready = None
         for rank, row in enumerate(rows):
             if rank in running or position[rank] >= len(row):
                 continue
             action = row[position[rank]]
-            dep = dependency_of(action, schedule)
+            dep = dependency(action)
             ready = free_at[rank]
             if dep is not None:
                 if dep not in done_at:

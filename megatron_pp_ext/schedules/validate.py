@@ -96,15 +96,17 @@ def check_counts(schedule: Schedule) -> None:
 
     forward_only = not any(kind != FORWARD for kind, _, _ in seen)
     split_stages = {stage for kind, stage, _ in seen if kind == BACKWARD_INPUT}
-    for kind, stage, mb in sorted(seen):
-        if stage not in schedule.path(mb):
-            path = schedule.path(mb)
-            raise ScheduleError(
-                f"rank {owner[stage]} runs {stage}{kind}{mb}, but microbatch {mb} crosses "
-                f"stages {path.start}..{path.stop - 1} only (DualPipe's two directions)")
+    paths = [schedule.path(mb) for mb in range(m)]
+    off_path = [key for key in seen if key[1] not in paths[key[2]]]
+    if off_path:
+        kind, stage, mb = min(off_path)
+        path = paths[mb]
+        raise ScheduleError(
+            f"rank {owner[stage]} runs {stage}{kind}{mb}, but microbatch {mb} crosses "
+            f"stages {path.start}..{path.stop - 1} only (DualPipe's two directions)")
     for stage in range(num_stages):
         rank = owner[stage]
-        for mb in (mb for mb in range(m) if stage in schedule.path(mb)):
+        for mb in (mb for mb in range(m) if stage in paths[mb]):
             if (FORWARD, stage, mb) not in seen:
                 raise ScheduleError(f"rank {rank} is missing {stage}F{mb}")
             if forward_only:
@@ -229,6 +231,24 @@ def _window(messages: list, index: int, before: int = 2, after: int = 3) -> str:
 
 
 # ---------------------------------------------------------------- 4. deadlock
+def dependencies(schedule: Schedule) -> Callable:
+    """``dependency_of`` for one schedule, each stage's neighbours looked up once (for passes
+    over every action)."""
+    neighbours = schedule.neighbours()
+
+    def dependency(action: Action) -> tuple[str, int, int] | None:
+        kind = action.kind
+        if kind == FORWARD:
+            before = neighbours[action.stage][0]
+            return None if before is None else (FORWARD, before, action.microbatch)
+        if kind in (BACKWARD, BACKWARD_INPUT):
+            after = neighbours[action.stage][1]
+            return None if after is None else (_GRAD, after, action.microbatch)
+        return None
+
+    return dependency
+
+
 def dependency_of(action: Action, schedule: Schedule) -> tuple[str, int, int] | None:
     """The completion key of the cross-stage input ``action`` waits for, or None.
 
@@ -236,14 +256,7 @@ def dependency_of(action: Action, schedule: Schedule) -> tuple[str, int, int] | 
     of its downstream stage (s+1); the first and last stage of a microbatch's path need
     nothing. Its own F (for B/I) and I (for W) ran earlier on the same rank.
     """
-    kind, stage, mb = action.kind, action.stage, action.microbatch
-    if kind == FORWARD:
-        before = schedule.upstream(stage)
-        return None if before is None else (FORWARD, before, mb)
-    if kind in (BACKWARD, BACKWARD_INPUT):
-        after = schedule.downstream(stage)
-        return None if after is None else (_GRAD, after, mb)
-    return None
+    return dependencies(schedule)(action)
 
 
 def completion_key(action: Action) -> tuple[str, int, int]:
@@ -260,6 +273,7 @@ def execute_in_order(schedule: Schedule, run: Callable | None = None) -> list[in
     blocked. O(total actions): a blocked rank is woken only when what it waits for completes.
     """
     rows = schedule.actions
+    dependency = dependencies(schedule)
     done: dict[tuple[str, int, int], object] = {}
     waiting: dict[tuple[str, int, int], list[int]] = {}  # completion key -> ranks blocked on it
     position = [0] * len(rows)
@@ -269,7 +283,7 @@ def execute_in_order(schedule: Schedule, run: Callable | None = None) -> list[in
         row = rows[rank]
         while position[rank] < len(row):
             action = row[position[rank]]
-            dep = dependency_of(action, schedule)
+            dep = dependency(action)
             if dep is not None and dep not in done:
                 waiting.setdefault(dep, []).append(rank)
                 break
