@@ -34,6 +34,7 @@ from megatron_pp_ext.analysis.lowering import (
     nccl_program,
 )
 from megatron_pp_ext.analysis.messages import comm_plan, lockstep_rounds
+from megatron_pp_ext.analysis.nccl_play import NcclPlay
 from megatron_pp_ext.schedules import build_schedule
 from support.emulated import microbatch_inputs, stage_weights
 from support.inmemory import ROWS, WIDTH, RecordingWork, assert_equals_pp1, run_inmemory
@@ -122,6 +123,33 @@ def test_an_unreceived_send_is_rejected():
     program = _two_ranks([[P2POp(SEND, 1, "a")]], [[]])
     with pytest.raises(ScheduleError, match="rank 0 sends 1 message.* rank 1, which receives 0"):
         check_nccl_rules(program)
+
+
+@pytest.mark.parametrize("name, posting", [("1f1b", MEGATRON), ("zb-v", LOCKSTEP),
+                                           ("dualpipev", LOCKSTEP)])
+def test_the_play_takes_each_op_and_batch_once(name, posting):
+    """The check is linear in the program (analysis/nccl_play.py): a pair is matched once per
+    op whose batch starts to run, and a host moves once at the start and once per batch that
+    completes; no rounds over every rank and pair. A play that polled would count far more
+    (rounds x pairs: some 2,600 rounds x 128 pairs for zb-v at p=64)."""
+    schedule = build_schedule(name, 8, 32)
+    program = lower(schedule, posting)
+    counts = {"pairs": 0, "hosts": 0}
+
+    class Counting(NcclPlay):
+        def _transfer(self, pair):
+            counts["pairs"] += 1
+            super()._transfer(pair)
+
+        def _advance_host(self, rank):
+            counts["hosts"] += 1
+            super()._advance_host(rank)
+
+    assert Counting(program).play() == []
+    batches = [b for r in range(8) for b in program.batches(r)]
+    assert counts["pairs"] == sum(len(b.ops) for b in batches)
+    assert counts["hosts"] == 8 + len(batches)
+
 
 
 # ------------------------------------------------------------------ the lowered programs
