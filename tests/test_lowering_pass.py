@@ -12,8 +12,9 @@ postings; the pass was equal to them on all 1258 programs of this grid when it t
 
 import pytest
 
-from megatron_pp_ext.analysis.lowering import (LOCKSTEP, MEGATRON, lower, nccl_choice,
+from megatron_pp_ext.analysis.lowering import (COMMIT, LOCKSTEP, MEGATRON, lower, nccl_choice,
                                                nccl_post_ahead, nccl_posting, user_postings)
+from megatron_pp_ext.analysis.nccl_timing import unit_cost_makespan
 from megatron_pp_ext.analysis.messages import (ACTIVATION, LockstepPosting, Message,
                                                 lockstep_postings)
 from megatron_pp_ext.analysis.user_program import load
@@ -83,10 +84,12 @@ def _pairs(program):
 
 
 def test_dualpipev_pairs_are_in_the_program():
-    """DualPipe's posting (lockstep rounds, a pair in one round) pairs every F followed by a
-    B or I of the other chunk, on every rank (the middle ranks too, whose gradient arrives
-    from another rank), and is what the drop-in runs (``nccl_choice``), whatever posting is
-    asked for. Without pairs the same program has none."""
+    """The F&B pairs, in lockstep rounds (a pair in one round), pair every F followed by a B
+    or I of the other chunk, on every rank (the middle ranks too, whose gradient arrives from
+    another rank), whatever fused posting is asked for. The drop-in runs the same pairs as
+    DualPipe commits them (``nccl_choice``: it passes NCCL's rules and beats the rounds at
+    unit costs): a pair's sends in one batch with the next pair's two receives. Without pairs
+    neither program has any."""
     schedule = build_schedule("dualpipev", 4, 8)
     rounds = lower(schedule, LOCKSTEP, overlapped_pairs=True)
     assert lower(schedule, MEGATRON, overlapped_pairs=True).steps == rounds.steps
@@ -101,7 +104,19 @@ def test_dualpipev_pairs_are_in_the_program():
     assert steps[k + 1] == Compute("1B1") and isinstance(steps[k + 2], Post)
     assert [(op.kind, op.label, op.peer) for op in steps[k + 2].batch.ops] == [
         ("send", "forward 7F5", 0), ("send", "backward 0B1", 0), ("recv", "backward 6B4", 0)]
-    assert nccl_choice(schedule, overlapped_pairs=True).program.steps == rounds.steps
+    choice = nccl_choice(schedule, overlapped_pairs=True)
+    commit = lower(schedule, COMMIT, overlapped_pairs=True)
+    assert (choice.posting, choice.overlapped_pairs) == (COMMIT, True)
+    assert choice.program.steps == commit.steps and _pairs(commit) == _pairs(rounds)
+    steps = commit.steps[1]
+    k = next(k for k, s in enumerate(steps) if isinstance(s, Compute) and s.action == "1F7")
+    assert steps[k + 1] == Compute("6B3") and isinstance(steps[k + 2], Post)
+    assert [(op.kind, op.label, op.peer) for op in steps[k + 2].batch.ops] == [
+        ("send", "forward 2F7", 2), ("send", "backward 5B3", 2),
+        ("recv", "forward 6F5", 2), ("recv", "backward 1B1", 2)]  # the next pair's inputs
+    # unit costs under NCCL's rules, messages of half and one forward: rounds, then commit
+    assert [unit_cost_makespan(program, schedule, t) for t in (0.5, 1.0)
+            for program in (rounds, commit)] == [78.0, 71.5, 90.0, 83.0]
     assert not any(isinstance(s, Compute) and s.paired for steps in lower(schedule,
                    LOCKSTEP).steps for s in steps)
     assert not any(isinstance(s, Compute) and s.paired for steps in lower(schedule).steps

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from ..ir import Schedule, ScheduleError
 from ..program import Program
 from .gc_pause import gc_paused
-from .messages import comm_plan, lockstep_postings
+from .messages import comm_plan, lockstep_postings, lockstep_rounds, paired_in
 from .nccl_rules import check_nccl_rules
 from .nccl_timing import unit_cost_makespan
 from .program_pass import lower_program, lower_program_lazily
@@ -22,6 +22,9 @@ from .user_program import postings as derive_postings
 from .user_program import program_of
 
 MEGATRON, LOCKSTEP = "megatron", "lockstep"  # the executor's two ways of posting on NCCL
+# and, for DualPipe's F&B pairs, a third: Megatron's fused calls, each pair's inputs received
+# in one batch before it and its two sends in one batch with what follows (DualPipe's commit)
+COMMIT = "commit"
 
 
 @gc_paused
@@ -40,12 +43,19 @@ def lower(schedule: Schedule, posting: str = MEGATRON,
     DualPipeV; the posting is then lockstep whatever ``posting`` says). ``plans``: every
     rank's ``messages.comm_plan``, when the caller has them."""
     pairs = overlapped_pairs and bool(schedule.options.get("overlapped_pairs"))
-    if pairs and postings is None:
+    if pairs and postings is None and posting != COMMIT:
         posting = LOCKSTEP
     name = _name(schedule, posting, variable_shapes)
     if postings is None and posting == LOCKSTEP:
         postings = lockstep_postings(schedule, plans=plans, pairs=pairs)
-    return lower_program(schedule, name, postings, post_ahead, variable_shapes, prefetch, plans)
+    return lower_program(schedule, name, postings, post_ahead, variable_shapes, prefetch, plans,
+                         commit_pairs(schedule) if pairs and posting == COMMIT else None)
+
+
+def commit_pairs(schedule: Schedule) -> list[frozenset[int]]:
+    """Each rank's F&B pairs for the commit posting, as the lockstep rounds pair them (an F
+    and the B or I after it, the B's input made before the F's round)."""
+    return [paired_in(rounds) for rounds in lockstep_rounds(schedule, pairs=True)]
 
 
 def _name(schedule: Schedule, posting: str, variable_shapes: bool) -> str:
@@ -95,11 +105,14 @@ def nccl_choice(schedule: Schedule, variable_shapes: bool = False,
 
 def _derived_choice(schedule: Schedule, variable_shapes: bool, pairs: bool) -> NcclChoice:
     plans = [comm_plan(schedule, rank) for rank in range(schedule.num_ranks)]
-    if pairs:  # DualPipe's posting: every pair a round of its own, both sends in one batch
+    if pairs:  # a round for each pair, or DualPipe's commit where that passes and is faster
         postings = lockstep_postings(schedule, plans=plans, pairs=True)
         program = lower(schedule, LOCKSTEP, variable_shapes, postings=postings,
                         overlapped_pairs=True, plans=plans)
         check_nccl_rules(program)
+        commit = _commit_program(schedule, variable_shapes, program, plans)
+        if commit is not None:
+            return NcclChoice(COMMIT, None, False, True, commit)
         return NcclChoice(LOCKSTEP, postings, False, True, program)
     try:  # lowered as the check plays it: where the fused calls hang, they do so early
         program, feeds = lower_program_lazily(schedule, _name(schedule, MEGATRON,
@@ -152,8 +165,9 @@ def user_postings(schedule: Schedule, program: Program,
     return postings
 
 
-# Unit costs with messages of half and one forward: where posting ahead must not lose.
-_AHEAD_PROBES = (0.5, 1.0)
+# Unit costs with messages of half and one forward: where posting ahead (or DualPipe's
+# commit) must not lose.
+_PROBES = (0.5, 1.0)
 
 
 def nccl_post_ahead(schedule: Schedule, variable_shapes: bool = False) -> bool:
@@ -162,6 +176,36 @@ def nccl_post_ahead(schedule: Schedule, variable_shapes: bool = False) -> bool:
     rules at unit costs with messages of half and one forward, is never slower and somewhere
     faster (GPipe: its receives then overlap the forwards; 1F1B's are all fused already)."""
     return nccl_choice(schedule, variable_shapes).post_ahead
+
+
+def _commit_program(schedule: Schedule, variable_shapes: bool, rounds: Program,
+                    plans: list) -> Program | None:
+    """The F&B pairs posted as DualPipe commits them (``COMMIT``), where that program passes
+    ``check_nccl_rules`` and, timed at unit costs with the probes' message times, is never
+    slower than the lockstep ``rounds`` and somewhere faster (DualPipeV: no rank waits for a
+    round its pair takes no part in); else None. (Without its pairs DualPipeV's commit can
+    hang: a rank's sends wait on a neighbour that waits for the pair's other input.)"""
+    program, feeds = lower_program_lazily(schedule, _name(schedule, COMMIT, variable_shapes),
+                                          None, False, variable_shapes, False, plans,
+                                          commit_pairs(schedule))
+    try:
+        check_nccl_rules(program, feeds)
+    except ScheduleError:
+        return None
+    return program if _never_slower(schedule, rounds, program) else None
+
+
+def _never_slower(schedule: Schedule, program: Program, other: Program) -> bool:
+    """Whether ``other``, timed under NCCL's rules at unit costs with messages of half and
+    one forward, is never slower than ``program`` and somewhere faster (stopped at the first
+    probe where it is slower)."""
+    faster = False
+    for t_comm in _PROBES:
+        mine, theirs = (unit_cost_makespan(p, schedule, t_comm) for p in (program, other))
+        if theirs > mine:
+            return False
+        faster |= theirs < mine
+    return faster
 
 
 def _ahead_program(schedule: Schedule, variable_shapes: bool, program: Program,
@@ -175,13 +219,7 @@ def _ahead_program(schedule: Schedule, variable_shapes: bool, program: Program,
         check_nccl_rules(ahead)
     except ScheduleError:
         return None
-    faster = False
-    for t_comm in _AHEAD_PROBES:  # stopped at the first probe where it is slower
-        plain, early = (unit_cost_makespan(p, schedule, t_comm) for p in (program, ahead))
-        if early > plain:
-            return None
-        faster |= early < plain
-    return ahead if faster else None
+    return ahead if _never_slower(schedule, program, ahead) else None
 
 
 def nccl_program(schedule: Schedule, variable_shapes: bool = False) -> Program:
@@ -197,9 +235,13 @@ def runtime_program(schedule: Schedule, *, batched: bool, prefetch: bool = False
     (``choice``, when the caller has it), lowered without the shape headers, which the
     transport exchanges inside each call; else Megatron's fused calls, receives posted a call
     early with ``prefetch``; with ``overlapped_pairs`` where the schedule has F&B pairs, as
-    on NCCL, DualPipe's posting (lockstep rounds, a pair in one), so every rank pairs."""
+    on NCCL, DualPipe's commit posting (or, where that could hang, lockstep rounds with a pair
+    in one), so every rank pairs."""
     if not batched:
-        return lower(schedule, MEGATRON, prefetch=prefetch, overlapped_pairs=overlapped_pairs)
+        posting = MEGATRON
+        if overlapped_pairs and schedule.options.get("overlapped_pairs"):
+            posting = nccl_choice(schedule, overlapped_pairs=True).posting
+        return lower(schedule, posting, prefetch=prefetch, overlapped_pairs=overlapped_pairs)
     choice = choice or nccl_choice(schedule, variable_shapes, overlapped_pairs)
     if not variable_shapes:
         return choice.program
@@ -208,6 +250,6 @@ def runtime_program(schedule: Schedule, *, batched: bool, prefetch: bool = False
                  overlapped_pairs=choice.overlapped_pairs)
 
 
-__all__ = ["MEGATRON", "LOCKSTEP", "USER", "NcclChoice", "lower", "nccl_choice", "nccl_posting",
+__all__ = ["MEGATRON", "LOCKSTEP", "COMMIT", "USER", "NcclChoice", "lower", "nccl_choice", "nccl_posting",
            "nccl_post_ahead", "nccl_program", "runtime_program",
            "user_postings"]

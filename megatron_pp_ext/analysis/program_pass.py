@@ -16,7 +16,11 @@ order that peer sends them) and these posting rules:
   computes;
 - DualPipe's F&B pairs (a lockstep posting built with them, ``LockstepPosting.pairs``): an F
   and the B or I right after it, on another stage, run as one pair, both inputs received
-  first; both sends then go in one batch with the round's receives (DualPipe's commit);
+  first; both sends then go in one batch with the round's receives;
+- DualPipe's commit (``commit_pairs``, the same pairs without rounds): every action's (or
+  pair's) sends go in one batch with the receives of what follows it, whichever way they go,
+  and a pair's inputs are received in one batch before it; a rank waits only for the ranks
+  its messages go to or come from;
 - the action computes;
 - its send goes in one batch with the next action's receive when they go opposite ways
   (Megatron's ``send_forward_recv_backward`` / ``send_backward_recv_forward``), or, with a
@@ -81,13 +85,17 @@ class _RankPass:
 
     def __init__(self, schedule: Schedule, rank: int, plans: list[CommPlan],
                  incoming: dict[int, list[Message]], lockstep: LockstepPosting | None,
-                 post_ahead: bool, variable_shapes: bool, prefetch: bool, shared: _Ops):
+                 post_ahead: bool, variable_shapes: bool, prefetch: bool, shared: _Ops,
+                 commit_pairs: frozenset[int] | None = None):
         self.op_of, self.calls = shared.op_of, shared.calls
         self.rank, self.schedule = rank, schedule
         self.actions = schedule.actions[rank]
         self.neighbours = schedule.neighbours()  # stage -> (upstream, downstream)
         self.plans = plans
         self.lockstep = lockstep
+        # DualPipe's commit (``commit_pairs`` given, no lockstep posting)
+        self.commit = commit_pairs is not None and lockstep is None
+        self.commit_pairs = commit_pairs if self.commit else frozenset()
         self.post_ahead = post_ahead and lockstep is None
         self.prefetch = prefetch and lockstep is None
         self.variable_shapes = variable_shapes
@@ -178,6 +186,9 @@ class _RankPass:
         if self.lockstep is not None:
             self._post(sends, list(self.lockstep.after.get(i, [])))
             return
+        if self.commit:  # the send with the next action's (or pair's) receives, any direction
+            self._post(sends, self._to_receive(i + 1, 2 if i + 1 in self.commit_pairs else 1))
+            return
         next_recv = self.plans[i + 1].recv if i + 1 < len(self.actions) else None
         fused = None
         if plan.send is not None and next_recv is not None \
@@ -191,15 +202,39 @@ class _RankPass:
 
     def _pair_output(self, i: int) -> None:
         """The outputs of the pair (i, i + 1): both sends in one batch with the round's
-        receives (one commit, as DualPipe's)."""
+        receives, or (``commit_pairs``) with the receives of what comes next: the next pair's
+        two inputs, or the next action's (one commit, as DualPipe's)."""
         self._hand_over(i)
         self._hand_over(i + 1)
         sends = [p.send for p in self.plans[i:i + 2] if p.send is not None]
-        self._post(sends, list(self.lockstep.after.get(i + 1, [])))
+        if self.lockstep is not None:
+            self._post(sends, list(self.lockstep.after.get(i + 1, [])))
+            return
+        self._post(sends, self._to_receive(i + 2, 2 if i + 2 in self.commit_pairs else 1))
+
+    def _to_receive(self, i: int, count: int) -> list[Message]:
+        """What to receive now so that the inputs of actions i .. i + count - 1 are posted:
+        from each peer, in its sending order, up to the input (nothing for an input already
+        posted or here)."""
+        inbox, out = self.inbox, []
+        for plan in self.plans[i:i + count]:
+            needed = plan.recv
+            if needed is None or needed in inbox.stash or needed in out or any(
+                    m == needed for m, _ in inbox.in_flight[needed.peer]):
+                continue
+            taken = sum(1 for m in out if m.peer == needed.peer)  # already in this batch
+            queue = inbox.queues[needed.peer]
+            for k in range(taken, len(queue)):
+                out.append(queue[k])
+                if queue[k] == needed:
+                    break
+        return out
 
     def _pairs_with_next(self, i: int) -> bool:
         """DualPipe's pair: where the lockstep rounds pair action i with the next one."""
-        return self.lockstep is not None and i in self.lockstep.pairs
+        if self.lockstep is not None:
+            return i in self.lockstep.pairs
+        return i in self.commit_pairs
 
     def run(self) -> tuple[list, list[int]]:
         for _ in self.walk():
@@ -215,8 +250,11 @@ class _RankPass:
             if self.lockstep is not None:
                 for messages in self.lockstep.before.get(i, ()):
                     self._post([], list(messages))
+            pair = self._pairs_with_next(i)
+            if pair and self.commit:  # the pair's inputs in one batch, first
+                self._post([], self._to_receive(i, 2))
             self._input(i)
-            if self._pairs_with_next(i):
+            if pair:
                 self.starts.append(len(self.steps))
                 self._input(i + 1)
                 self.steps.append(Compute(str(self.actions[i]), paired=True))
@@ -251,12 +289,14 @@ def _local_key(action) -> tuple:
 def lower_program(schedule: Schedule, name: str, postings: list | None = None,
                   post_ahead: bool = False, variable_shapes: bool = False,
                   prefetch: bool = False,
-                  plans: list[list[CommPlan]] | None = None) -> Program:
+                  plans: list[list[CommPlan]] | None = None,
+                  commit_pairs: list[frozenset[int]] | None = None) -> Program:
     """The program (see the module docstring); ``postings``: each rank's lockstep posting, or
     None for Megatron's fused calls; ``plans``: every rank's ``comm_plan``, when the caller
-    has them."""
+    has them; ``commit_pairs``: with the fused calls, each rank's F&B pairs (the i whose
+    action runs with action i + 1), posted as DualPipe commits them."""
     program, feeds = lower_program_lazily(schedule, name, postings, post_ahead,
-                                          variable_shapes, prefetch, plans)
+                                          variable_shapes, prefetch, plans, commit_pairs)
     for feed in feeds:
         for _ in feed:
             pass
@@ -266,7 +306,9 @@ def lower_program(schedule: Schedule, name: str, postings: list | None = None,
 def lower_program_lazily(schedule: Schedule, name: str, postings: list | None = None,
                          post_ahead: bool = False, variable_shapes: bool = False,
                          prefetch: bool = False,
-                         plans: list[list[CommPlan]] | None = None) -> tuple[Program, list]:
+                         plans: list[list[CommPlan]] | None = None,
+                         commit_pairs: list[frozenset[int]] | None = None
+                         ) -> tuple[Program, list]:
     """``lower_program``'s program with every rank's steps still empty, and per rank a feed
     (an iterator) whose every step lowers one more action into them: a check that plays the
     program (``nccl_rules.check_nccl_rules(program, feeds)``) lowers only as far as it gets."""
@@ -276,7 +318,8 @@ def lower_program_lazily(schedule: Schedule, name: str, postings: list | None = 
     for rank in range(schedule.num_ranks):
         walk = _RankPass(schedule, rank, plans[rank], incoming[rank],
                          postings[rank] if postings else None, post_ahead, variable_shapes,
-                         prefetch, shared)
+                         prefetch, shared,
+                         None if commit_pairs is None else commit_pairs[rank])
         program.steps.append(walk.steps)
         program.action_starts.append(walk.starts)
         feeds.append(walk.walk())
