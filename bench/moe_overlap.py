@@ -12,11 +12,12 @@ threads of the rank, one per stream, with the plan's dependencies as events:
     comm stream:  combine(b)    dispatch(f)    dispatch(b)    combine(f)
     comp stream:  attention(f)  experts(b)     experts(f)     attention(b)
 
-Three runs of one schedule per round, rotating: the all-to-alls free (``a = 0``: the floor),
-paid alone (no pairs), and paired (the executor runs the program's pairs through the work's
-``overlapped_forward_backward``). The all-to-all time a run exposes is its step minus the
+Four runs of one schedule per round, rotating: the all-to-alls free (``a = 0``: the floor),
+paid alone (no pairs), paired (the executor runs the program's pairs through the work's
+``overlapped_forward_backward``), and paired with the all-to-alls free (what the pairs'
+posting alone changes). The all-to-all time a run exposes is its step minus the
 floor's; the pairs hide ``(alone - paired) / (alone - floor)`` of what running alone exposes.
-Target (issue 26): at least 80 % at p=4, m=16, a = 30 % of a layer's compute. Reported, never
+Target (issue 43): at least 70 % at p=4, m=16 (issue 26 asked 80 %), a = 30 % of a layer's compute. Reported, never
 asserted.
 
 At the first size also torch.pipelining's DualPipeV: its per-rank order, computed by torch's
@@ -153,7 +154,9 @@ def tree(rank: int, world: int, m: int, c: float, share: float, layers: int, rep
     transport = TorchDistTransport(None)
     runs = {"floor (a = 0)": (MoECosts(c, 0.0, layers), False),
             "all-to-alls alone": (MoECosts(c, share * c, layers), False),
-            "paired": (MoECosts(c, share * c, layers), True)}
+            "paired": (MoECosts(c, share * c, layers), True),
+            # the pairs' posting with nothing to hide: what the posting alone gains
+            "paired, a = 0": (MoECosts(c, 0.0, layers), True)}
     labels = list(runs)
     out = {label: [] for label in labels}
     pairs = {}
@@ -161,7 +164,7 @@ def tree(rank: int, world: int, m: int, c: float, share: float, layers: int, rep
         dist.barrier()
         _step(schedule, rank, transport, *runs[label])
     for rep in range(reps):
-        for label in labels[rep % 3:] + labels[:rep % 3]:
+        for label in labels[rep % len(labels):] + labels[:rep % len(labels)]:
             dist.barrier()
             start, end, pairs[label] = _step(schedule, rank, transport, *runs[label])
             spans = [None] * world
@@ -200,13 +203,16 @@ def main(argv=None) -> int:
         result = spawn(p, tree, m, args.c_ms / 1000, args.share, args.layers, args.reps, order,
                        timeout_s=1200)[0]
         steps = {label: statistics.median(times) for label, times in result["steps"].items()}
-        floor, alone, paired = steps.values()
+        floor, alone, paired, paired_floor = steps.values()
         hidden = (alone - paired) / (alone - floor) if alone > floor else float("nan")
+        # of that, what the pairs' posting gains with no all-to-all at all
+        posting = (floor - paired_floor) / (alone - floor) if alone > floor else float("nan")
         cells = [f"{1e3 * steps[label]:.1f} ({1e3 * min(times):.1f}-{1e3 * max(times):.1f})"
                  for label, times in result["steps"].items()]
         rows.append(f"| {order} | {p} | {m} | {' | '.join(cells)} | "
-                    f"{result['pairs_per_rank']} | {hidden:.0%} |")
-        raw.append({"order": order, "p": p, "m": m, **result, "hidden": hidden})
+                    f"{result['pairs_per_rank']} | {hidden:.0%} | {posting:.0%} |")
+        raw.append({"order": order, "p": p, "m": m, **result, "hidden": hidden,
+                    "posting_share": posting})
     prov = finish(prov, started)
     text = "\n".join([
         "# (h) MoE all-to-all hidden by DualPipeV's F&B pairs (emulated device)",
@@ -215,14 +221,17 @@ def main(argv=None) -> int:
         "",
         f"{args.layers} MoE layer(s) per chunk, a layer's forward compute "
         f"{args.c_ms:g} ms, each all-to-all {args.share:.0%} of it; steps in ms, median "
-        f"(min-max) of {args.reps} rounds, the three runs rotating in one process tree; "
-        "hidden: (alone - paired) / (alone - floor). Target (issue 26): at least 80 % at "
-        "p=4, m=16. torch.pipelining's DualPipeV order: computed by torch's own "
-        "ScheduleDualPipeV, run on the plugin's executor (not torch's runtime).",
+        f"(min-max) of {args.reps} rounds, the four runs rotating in one process tree; "
+        "hidden: (alone - paired) / (alone - floor); of which the posting: (floor - paired "
+        "at a = 0) / (alone - floor), what the pairs' posting gains with nothing to hide "
+        "(the unpaired runs post Megatron's fused calls on gloo, the paired ones the pairs' "
+        "posting). Target (issue 43): at least 70 % at p=4, m=16. torch.pipelining's "
+        "DualPipeV order: computed by torch's own ScheduleDualPipeV, run on the plugin's "
+        "executor (not torch's runtime).",
         "",
-        "| order | p | m | floor (a = 0) | all-to-alls alone | paired | F&B pairs per rank "
-        "| hidden |",
-        "|---|---|---|---|---|---|---|---|",
+        "| order | p | m | floor (a = 0) | all-to-alls alone | paired | paired, a = 0 "
+        "| F&B pairs per rank | hidden | of which the posting |",
+        "|---|---|---|---|---|---|---|---|---|---|",
         *rows]) + "\n"
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
