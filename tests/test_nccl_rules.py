@@ -26,6 +26,7 @@ from megatron_pp_ext.ir import Schedule, ScheduleError
 from megatron_pp_ext.runtime.executor import Executor
 from megatron_pp_ext.runtime.inmemory import run_ranks_in_threads
 from megatron_pp_ext.analysis.lowering import (
+    COMMIT,
     LOCKSTEP,
     MEGATRON,
     lower,
@@ -271,11 +272,13 @@ def test_the_schedules_built_for_costs_and_memory_run_on_the_nccl_rules_fabric(n
 
 
 def test_dualpipev_pairs_run_on_the_nccl_rules_fabric():
-    """DualPipe's posting (stages that compute an F&B pair in one call): lockstep rounds in
-    which a pair takes one round, its two sends in one batch with the round's receives. p 1..6
-    x m in (1, 2, 3, 4, 5, 8, 12, 16), and variable shapes at four sizes: every rank pairs
-    every F followed by a B or I of its other chunk (24 at p=4, m=16), runs the lists, posts
-    the checked program and equals pp=1."""
+    """The pairs' posting (stages that compute an F&B pair in one call; ``nccl_choice``):
+    DualPipe's commit where it beats the lockstep rounds (p >= 4 here), else the rounds; a
+    pair whose two actions both send sends both in one batch. p 1..6 x m in (1, 2, 3, 4, 5,
+    8, 12, 16), and variable shapes at four sizes: every rank pairs every F followed by a B or
+    I of its other chunk (24 at p=4, m=16), runs the lists, posts the checked program and
+    equals pp=1."""
+    postings = {}
     for p in range(1, 7):
         for m in (1, 2, 3, 4, 5, 8, 12, 16):
             schedule = build_schedule("dualpipev", p, m, 2)
@@ -288,7 +291,8 @@ def test_dualpipev_pairs_run_on_the_nccl_rules_fabric():
                 if (p, m) == (4, 16):
                     assert candidates == 24
             # a pair whose two actions both send (to another rank) sends both in one batch
-            program = nccl_choice(schedule, overlapped_pairs=True).program
+            choice = nccl_choice(schedule, overlapped_pairs=True)
+            program, postings[p, m] = choice.program, choice.posting
             for rank, (_, work) in enumerate(results):
                 plans = {str(a): plan for a, plan in zip(schedule.actions[rank],
                                                          comm_plan(schedule, rank))}
@@ -297,6 +301,8 @@ def test_dualpipev_pairs_run_on_the_nccl_rules_fabric():
                                       for b in program.batches(rank)), (p, m, rank)
                 if (p, m) == (4, 16) and rank in (1, 2):
                     assert sending == 24
+    assert {postings[p, m] for p in (4, 5, 6) for m in (8, 12, 16)} == {COMMIT}
+    assert {postings[p, m] for p in (1, 2) for m in (4, 8, 16)} == {LOCKSTEP}
     for p, m in ((2, 4), (2, 8), (3, 5), (4, 8)):
         _run_as_lowered(build_schedule("dualpipev", p, m, 2), f"dualpipev pairs shapes p={p} "
                         f"m={m}", pairs=True, variable_shapes=True)
