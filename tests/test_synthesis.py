@@ -39,14 +39,15 @@ def test_v_half_and_v_min_peaks_and_bubbles(p, m, half_peak, min_peak):
     assert max(v1_peaks(build_schedule("1f1b", p, m))) == p
     b = bubble_of_1f1b(p, m)
     # the paper's table: B/2 for V-Half, 2B/3 for V-Min (B: 1F1B's bubble); measured here
-    # 0.43-0.54 B and 0.65-0.74 B over these sizes
-    assert simulate(half).bubble_fraction <= 0.55 * b
-    assert simulate(least).bubble_fraction <= 0.75 * b
+    # 0.31-0.49 B and 0.65-0.72 B over these sizes (tests/test_controllable_memory.py holds
+    # the authors' own figures at p = 4..16)
+    assert simulate(half).bubble_fraction <= 0.5 * b
+    assert simulate(least).bubble_fraction <= 0.73 * b
     assert simulate(half).bubble_fraction < simulate(least).bubble_fraction
 
 
 def test_v_half_and_v_min_exact_orders_at_p2():
-    """The blocks repeated and compacted, at a size small enough to read: V-Min runs each
+    """The blocks repeated and squeezed, at a size small enough to read: V-Min runs each
     rank's chunks one microbatch after the other (F0 F1 I1 W1 | I0 W0 ...); V-Half keeps up to
     three microbatches of chunk 0 in flight on rank 0."""
     assert build_schedule("v-min", 2, 4).text() == [

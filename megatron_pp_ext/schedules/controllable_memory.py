@@ -11,9 +11,17 @@ blocks (``v_blocks``) at equal F, I and W costs.
   0)``). Lifespans about 4p - 2i and 2i: about 2p/3 chunk-activations, a third of 1F1B's,
   plus a constant: 4 at p = 4 and 8 at p = 8 (0.5x). Bubble about two thirds of 1F1B's.
 
-The peaks are those of the authors' own construction (zero-bubble-pipeline-parallelism's
-``zbv_greedy``) at p = 4 and 8; the paper's 1/2 and 1/3 are what they tend to as p grows.
-Layout: the V (rank r holds stages r and 2p-1-r).
+Both are the authors' own construction (zero-bubble-pipeline-parallelism's ``zbv_greedy``:
+the block repeated, then squeezed in two passes, ``v_blocks``), written our way: at p = 4..16,
+m = 4p, the same bubble and the same busiest rank's peak as theirs, at free messages and with
+message time (``bench/controllable_memory.py``, ``tests/test_controllable_memory.py``); where
+the busiest rank's peak is above another rank's (V-Min at p = 5, 8, 11, 14), that rank keeps
+its own lower peak rather than rising to it, at the same bubble. With m short of a steady
+phase (rank 0's last forward before its first turn: m up to about p + 1 for V-Half, 2p/3 + 1
+for V-Min) theirs moves nothing after that turn, ours also tries moving everything: the
+faster is kept, at or below their bubble at free messages for every p = 2..16, m <= 4p (a
+rank may then rise to the busiest rank's peak, never above it). The paper's 1/2 and 1/3 are
+what the peaks tend to as p grows. Layout: the V (rank r holds stages r and 2p-1-r).
 """
 
 from __future__ import annotations
