@@ -64,7 +64,7 @@ LONGEST_FIRST = (
     "test_lowering_pass", "test_wgrad_layers", "test_pipedream_train", "test_model_costs",
     "test_runtime_megatron", "test_fuzz", "test_executor_inmemory", "test_plan", "test_install",
     "test_html_browser", "test_validate", "test_render_cli", "test_gpu_check", "test_layout",
-    "test_auto",
+    "test_auto", "test_controllable_memory",
 )
 
 

@@ -71,11 +71,12 @@ def test_tight_budget_excludes_gpipe_and_zb_h2_with_their_numbers():
         "256 MiB budget")
     # 1F1B holds p - r = 4 activations on rank 0: exactly the budget, which fits. zb-auto,
     # built for these costs and this budget, finds zb-v's makespan (the least there is): the
-    # tie goes to the fixed schedule; v-half and v-min hold 3 and 2 (v=1 units) for more time.
-    assert names(selection.ranked) == [("zb-v", 2), ("zb-auto", 2), ("zb-h1", 1),
-                                       ("v-half", 2), ("v-min", 2), ("1f1b", 1)]
-    assert [r.peak_bytes / MiB for r in selection.ranked] == [256, 256, 256, 192, 128, 256]
-    assert [r.makespan for r in selection.ranked] == [25.5, 25.5, 27, 27.5, 29.5, 33]
+    # tie goes to the fixed schedule; v-half holds 3 (v=1 units) for one t more than zb-v, and
+    # takes less time than zb-h1; v-min holds 2 for more time.
+    assert names(selection.ranked) == [("zb-v", 2), ("zb-auto", 2), ("v-half", 2),
+                                       ("zb-h1", 1), ("v-min", 2), ("1f1b", 1)]
+    assert [r.peak_bytes / MiB for r in selection.ranked] == [256, 256, 192, 256, 128, 256]
+    assert [r.makespan for r in selection.ranked] == [25.5, 25.5, 26.5, 27, 29.5, 33]
 
 
 def test_loose_budget_equal_costs_every_figure_from_the_formulas():
@@ -177,7 +178,7 @@ def test_cli_json_and_text():
     assert done.returncode == 0, done.stderr
     data = json.loads(done.stdout)
     assert [(r["name"], r["chunks"]) for r in data["ranked"]] == [
-        ("zb-v", 2), ("zb-auto", 2), ("zb-h1", 1), ("v-half", 2), ("v-min", 2), ("1f1b", 1)]
+        ("zb-v", 2), ("zb-auto", 2), ("v-half", 2), ("zb-h1", 1), ("v-min", 2), ("1f1b", 1)]
     assert data["ranked"][5]["peak_activations"] == [4, 3, 2, 1]
     # peaks in one unit, v=1 activations; zb-v's chunk-activations are half a rank's each
     assert data["ranked"][0]["peak_activations"] == [4, 4, 4, 4]
