@@ -277,13 +277,34 @@ write_conf() {  # write_conf N
       echo "NodeName=$NS_PREFIX$i NodeAddr=$(node_addr "$i") CPUs=$cpus RealMemory=$mem_mb State=UNKNOWN"
     done)
   fi
-  # SlurmdTimeout 24 s: a lost node is declared down (its job NODE_FAIL) 16-32 s after its link
-  # goes (SlurmdTimeout, give or take a ping round of SlurmdTimeout / 3); the node-lost test
-  # needs its survivors to report before that (2 x --p2p-timeout-s + 6 s at most) and checks
-  # it against this value (SLURM's default is 300 s). UnkillableStepTimeout 180 s: the lost
-  # node's slurmstepd, back on the network, retries its step-completion message for over a
-  # minute and does not answer the kill SLURM sends meanwhile; at the default 60 s SLURM then
-  # drains the node ("Kill task failed") under the next test's job
+  # How soon a lost node is declared down (and its job ended NODE_FAIL): the node-lost test
+  # (tests/test_slurm.py) needs its survivors to report before that (2 x --p2p-timeout-s + 6 s
+  # at most: 12 s at its 3 s) and checks the values below against it (`scontrol show config`).
+  # (slurmctld 22.05, Debian bookworm's, measured 2026-12-04 on 2 cores.)
+  # * SlurmdTimeout 15 s (SLURM's default 300 s): slurmctld's ping round, every SlurmdTimeout/3
+  #   (5 s), declares a node down once the round before it found the node silent for
+  #   SlurmdTimeout: never sooner than SlurmdTimeout + one round (20 s) after its last answer.
+  # * AcctGatherNodeFreq 2 s: slurmctld asks every responding node for its energy counters
+  #   (none here) every 2 s, so a node's last answer is at most ~3 s old when it is cut off
+  #   (a ping round only asks a node silent for a round, i.e. every other round: its last answer
+  #   could be 10 s old and the node declared down 10 s after the cut). Not 1 s: slurmctld's
+  #   background loop, once a second, starts this request before the ping round, which waits
+  #   while such a request is out; at 1 s the rounds never ran.
+  # * MessageTimeout 5 s (default 10 s): a request to the lost node gives up after 6 s
+  #   (connects of TCPTimeout, 2 s, for MessageTimeout s) and holds the next round off until
+  #   then; at 10 s that took 12 s and the node was declared down 29-47 s after the cut.
+  # So the lost node is declared down at least 20 - 3 - 1 (whole seconds) = 16 s after its link
+  # goes, and in practice 24-26 s (the energy request, then two ping rounds, each 8 s to give
+  # up on it; idle, and with 4 busy loops beside).
+  # KillWait 2 s (default 30 s): srun waits KillWait + 2 s for the lost node's tasks (whose
+  # exit can no longer reach it) once the job has ended; the train ranks need no grace period.
+  # SchedulerParameters batch_sched_delay=0 (default 3 s): slurmctld schedules batch jobs at
+  # most once per batch_sched_delay: a job submitted as the one before it ended (its node still
+  # completing) started 3 s later; now within slurmctld's 1 s loop.
+  # UnkillableStepTimeout 180 s: the lost node's slurmstepd, back on the network, retries its
+  # step-completion message for over a minute and does not answer the kill SLURM sends
+  # meanwhile; at the default 60 s SLURM then drains the node ("Kill task failed") under the
+  # next test's job
   cat >"$CONF" <<EOF
 # $title written by scripts/slurm/local_cluster.sh; state, spool and logs in $DIR.
 ClusterName=megatron-pp-local
@@ -312,11 +333,15 @@ JobCompType=jobcomp/none
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 SchedulerType=sched/backfill
+SchedulerParameters=batch_sched_delay=0
 SlurmctldTimeout=30
-SlurmdTimeout=24
+SlurmdTimeout=15
+AcctGatherNodeFreq=2
+MessageTimeout=5
+TCPTimeout=2
 UnkillableStepTimeout=180
 InactiveLimit=0
-KillWait=10
+KillWait=2
 $node_lines
 PartitionName=debug Nodes=$partition Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
 EOF
