@@ -23,17 +23,23 @@
 #    Most tests are one process on one core (the executor's threads share the GIL), so two
 #    workers keep both cores busy; the multi-process ones (gloo ranks, the CLI's) take both
 #    cores anyway.
+# Steps 1 and 2 overlap: chromium and then the cluster (apt-get, one at a time) come in the
+# background while setup_env.sh builds .venv/ (pip), and the release matrix's wheels are
+# installed while step 3 runs: on a fresh clone or machine no download waits for another.
 # If SLURM cannot be started the tests still run; the SLURM tests then fail and say why.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-bash scripts/setup_env.sh
+CLUSTER=scripts/slurm/local_cluster.sh
+export LOCAL_SLURM_DIR=${LOCAL_SLURM_DIR:-/tmp/megatron-pp-slurm}
 
 # tests/test_html_browser.py checks the HTML timelines in a headless browser: Debian's chromium,
 # installed here when it is missing (as root, with apt-get; $CHROMIUM names another binary).
-if [ -z "${CHROMIUM:-}" ] && [ ! -x /usr/bin/chromium ]; then
+install_chromium() {
+  [ -z "${CHROMIUM:-}" ] && [ ! -x /usr/bin/chromium ] || return 0
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     echo "test.sh: installing chromium (apt-get) for the headless-browser test"
+    local log
     log=$(mktemp)
     if ! { timeout 900 apt-get update -q && DEBIAN_FRONTEND=noninteractive \
            timeout 900 apt-get install -y -q chromium; } >"$log" 2>&1; then
@@ -45,17 +51,35 @@ if [ -z "${CHROMIUM:-}" ] && [ ! -x /usr/bin/chromium ]; then
     echo "test.sh: no /usr/bin/chromium and not root: the browser test will fail" \
          "(install it with: apt-get install -y chromium)" >&2
   fi
-fi
+}
 
-CLUSTER=scripts/slurm/local_cluster.sh
-export LOCAL_SLURM_DIR=${LOCAL_SLURM_DIR:-/tmp/megatron-pp-slurm}
-if bash "$CLUSTER" status >/dev/null 2>&1; then
-  echo "test.sh: using the SLURM already running from $LOCAL_SLURM_DIR (left running)"
-else
-  trap 'bash "$CLUSTER" stop || true' EXIT
+start_cluster() {  # its own apt-get install of slurm-wlm and munge when missing
   timeout 300 bash "$CLUSTER" start --nodes 2 \
     || echo "test.sh: could not start a local SLURM (see above): the SLURM tests will fail" >&2
+}
+
+own_cluster=1
+if bash "$CLUSTER" status >/dev/null 2>&1; then
+  own_cluster=0
+  echo "test.sh: using the SLURM already running from $LOCAL_SLURM_DIR (left running)"
 fi
+# chromium, then the cluster (one apt-get at a time), beside setup_env.sh; printed once done
+system_log=$(mktemp)
+( install_chromium; [ "$own_cluster" = 0 ] || start_cluster ) >"$system_log" 2>&1 &
+system_pid=$!
+overlay_pid=
+finish() {
+  wait $system_pid $overlay_pid 2>/dev/null || true  # nothing of theirs left behind
+  [ "$own_cluster" = 0 ] || bash "$CLUSTER" stop || true
+  rm -f "$system_log"
+}
+trap finish EXIT
+
+setup_rc=0
+bash scripts/setup_env.sh || setup_rc=$?
+wait "$system_pid" || true
+cat "$system_log"
+[ "$setup_rc" = 0 ] || exit "$setup_rc"
 eval "$(bash "$CLUSTER" env)"  # SLURM_CONF for sbatch/sinfo in the tests
 
 workers=$(nproc 2>/dev/null || echo 2)
@@ -63,6 +87,14 @@ workers=$(nproc 2>/dev/null || echo 2)
 matrix=${MEGATRON_PP_RELEASE_MATRIX:-0}
 [ $# -gt 0 ] || { matrix=1; set -- -q -n "$workers" --dist loadscope --no-loadscope-reorder --durations=15 \
   tests; }
+if [ "$matrix" = 1 ]; then
+  releases=$(.venv/bin/python -c 'import sys; sys.path.insert(0, "tests")
+from support.megatron_releases import WINDOW; print(*WINDOW)')
+  # the window's wheels, while the main run runs (the loop below installs any that failed
+  # here, and says why)
+  .venv/bin/python tests/support/megatron_releases.py $releases >/dev/null 2>&1 &
+  overlay_pid=$!
+fi
 rc=0
 .venv/bin/python -m pytest "$@" || rc=$?
 echo "test.sh: pytest exit $rc"
@@ -74,8 +106,7 @@ if [ "$matrix" = 1 ]; then
   # The releases run side by side, one pytest worker each: each collects the tests once (12 s
   # of CPU a process), and one release's tail fills the other's idle core. Each one's output
   # is printed whole once it ends.
-  releases=$(.venv/bin/python -c 'import sys; sys.path.insert(0, "tests")
-from support.megatron_releases import WINDOW; print(*WINDOW)')
+  wait "$overlay_pid" || true
   # only the modules that hold the window's tests: each process collects those (not all
   # 60 modules, 12 s of CPU)
   window_files=$(.venv/bin/python -c 'import sys; sys.path.insert(0, "tests")
