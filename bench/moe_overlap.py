@@ -13,9 +13,10 @@ threads of the rank, one per stream, with the plan's dependencies as events:
     comp stream:  attention(f)  experts(b)     experts(f)     attention(b)
 
 Four runs of one schedule per round, rotating: the all-to-alls free (``a = 0``: the floor),
-paid alone (no pairs), paired (the executor runs the program's pairs through the work's
-``overlapped_forward_backward``), and paired with the all-to-alls free (what pairing itself
-changes: the pairs' posting, a pair's two threads). The all-to-all time a run exposes is its step minus the
+paid alone (no pairs), and paired twice (the executor runs the program's pairs through the
+work's ``overlapped_forward_backward``), once with the pairs posted as DualPipe commits them
+and once in lockstep rounds, a pair taking one (``lowering.COMMIT`` and ``LOCKSTEP``: the two
+postings the drop-in chooses between), side by side. The all-to-all time a run exposes is its step minus the
 floor's; the pairs hide ``(alone - paired) / (alone - floor)`` of what running alone exposes.
 Target (issue 43): at least 70 % at p=4, m=16 (issue 26 asked 80 %), a = 30 % of a layer's compute. Reported, never
 asserted.
@@ -122,15 +123,20 @@ def work_class(paired: bool):
     return MoEStageWork
 
 
-def _step(schedule, rank, transport, costs: MoECosts, paired: bool) -> tuple[float, float, int]:
+def _step(schedule, rank, transport, costs: MoECosts, posting: str | None
+          ) -> tuple[float, float, int]:
+    """One step; ``posting``: the pairs' (COMMIT or LOCKSTEP), None for no pairs (the program
+    the executor derives itself)."""
+    from megatron_pp_ext.analysis.lowering import lower
     from megatron_pp_ext.runtime.executor import Executor
     from support.emulated import microbatch_inputs, stage_weights
 
-    work = work_class(paired)(schedule, rank, stage_weights(schedule.num_stages, WIDTH),
+    program = None if posting is None else lower(schedule, posting, overlapped_pairs=True)
+    work = work_class(posting is not None)(schedule, rank, stage_weights(schedule.num_stages, WIDTH),
                               microbatch_inputs(schedule.num_microbatches, ROWS, WIDTH), costs)
     start = time.perf_counter()
     Executor(schedule, rank, transport, work, recv_shape=(ROWS, WIDTH), dtype=torch.float64,
-             device=torch.device("cpu"), timeout_s=300).run()
+             device=torch.device("cpu"), timeout_s=300, program=program).run()
     return start, time.perf_counter(), work.pairs
 
 
@@ -139,10 +145,11 @@ TORCH_DUALPIPEV = "torch.pipelining's DualPipeV order"
 
 def tree(rank: int, world: int, m: int, c: float, share: float, layers: int, reps: int,
          order: str = "dualpipev") -> dict:
-    """Spawn target: the three runs, ``reps`` rounds in rotating order, in one process tree."""
+    """Spawn target: the four runs, ``reps`` rounds in rotating order, in one process tree."""
     import torch.distributed as dist
 
     from bench.synthesized import torch_order
+    from megatron_pp_ext.analysis.lowering import COMMIT, LOCKSTEP
     from megatron_pp_ext.runtime.transport import TorchDistTransport
     from megatron_pp_ext.schedules import build_schedule
 
@@ -152,12 +159,10 @@ def tree(rank: int, world: int, m: int, c: float, share: float, layers: int, rep
     else:
         schedule = build_schedule(order, world, m, chunks=2)
     transport = TorchDistTransport(None)
-    runs = {"floor (a = 0)": (MoECosts(c, 0.0, layers), False),
-            "all-to-alls alone": (MoECosts(c, share * c, layers), False),
-            "paired": (MoECosts(c, share * c, layers), True),
-            # pairs with nothing to hide: what pairing itself gains or costs (the pairs'
-            # posting, a pair's two threads)
-            "paired, a = 0": (MoECosts(c, 0.0, layers), True)}
+    runs = {"floor (a = 0)": (MoECosts(c, 0.0, layers), None),
+            "all-to-alls alone": (MoECosts(c, share * c, layers), None),
+            "paired, DualPipe's commit": (MoECosts(c, share * c, layers), COMMIT),
+            "paired, lockstep rounds": (MoECosts(c, share * c, layers), LOCKSTEP)}
     labels = list(runs)
     out = {label: [] for label in labels}
     pairs = {}
@@ -172,7 +177,7 @@ def tree(rank: int, world: int, m: int, c: float, share: float, layers: int, rep
             dist.all_gather_object(spans, (start, end))
             out[label].append(max(e for _, e in spans) - min(s for s, _ in spans))
     counts = [None] * world
-    dist.all_gather_object(counts, pairs["paired"])
+    dist.all_gather_object(counts, pairs["paired, DualPipe's commit"])
     return {"steps": out, "pairs_per_rank": counts}
 
 
@@ -204,16 +209,15 @@ def main(argv=None) -> int:
         result = spawn(p, tree, m, args.c_ms / 1000, args.share, args.layers, args.reps, order,
                        timeout_s=1200)[0]
         steps = {label: statistics.median(times) for label, times in result["steps"].items()}
-        floor, alone, paired, paired_floor = steps.values()
-        hidden = (alone - paired) / (alone - floor) if alone > floor else float("nan")
-        # of that, what pairing gains (or costs, < 0) with no all-to-all to hide
-        pairing = (floor - paired_floor) / (alone - floor) if alone > floor else float("nan")
+        floor, alone, commit, rounds = steps.values()
+        hidden, hidden_rounds = ((alone - paired) / (alone - floor) if alone > floor
+                                 else float("nan") for paired in (commit, rounds))
         cells = [f"{1e3 * steps[label]:.1f} ({1e3 * min(times):.1f}-{1e3 * max(times):.1f})"
                  for label, times in result["steps"].items()]
         rows.append(f"| {order} | {p} | {m} | {' | '.join(cells)} | "
-                    f"{result['pairs_per_rank']} | {hidden:.0%} | {pairing:.0%} |")
+                    f"{result['pairs_per_rank']} | {hidden:.0%} | {hidden_rounds:.0%} |")
         raw.append({"order": order, "p": p, "m": m, **result, "hidden": hidden,
-                    "pairing_share": pairing})
+                    "hidden_lockstep_rounds": hidden_rounds})
     prov = finish(prov, started)
     text = "\n".join([
         "# (h) MoE all-to-all hidden by DualPipeV's F&B pairs (emulated device)",
@@ -223,16 +227,14 @@ def main(argv=None) -> int:
         f"{args.layers} MoE layer(s) per chunk, a layer's forward compute "
         f"{args.c_ms:g} ms, each all-to-all {args.share:.0%} of it; steps in ms, median "
         f"(min-max) of {args.reps} rounds, the four runs rotating in one process tree; "
-        "hidden: (alone - paired) / (alone - floor); of which pairing itself: (floor - "
-        "paired at a = 0) / (alone - floor), what pairing gains (or costs, below 0) with "
-        "nothing to hide: the pairs' posting (the unpaired runs post Megatron's fused calls "
-        "on gloo) and a pair's two threads. Target (issue 43): at least 70 % at p=4, m=16. "
-        "torch.pipelining's "
+        "hidden: (alone - paired) / (alone - floor), with the pairs posted as DualPipe "
+        "commits them and in lockstep rounds (the unpaired runs: Megatron's fused calls, "
+        "as on gloo). Target (issue 43): at least 70 % at p=4, m=16. torch.pipelining's "
         "DualPipeV order: computed by torch's own ScheduleDualPipeV, run on the plugin's "
         "executor (not torch's runtime).",
         "",
-        "| order | p | m | floor (a = 0) | all-to-alls alone | paired | paired, a = 0 "
-        "| F&B pairs per rank | hidden | of which pairing itself |",
+        "| order | p | m | floor (a = 0) | all-to-alls alone | paired, DualPipe's commit "
+        "| paired, lockstep rounds | F&B pairs per rank | hidden (commit) | hidden (rounds) |",
         "|---|---|---|---|---|---|---|---|---|---|",
         *rows]) + "\n"
     print(text)
