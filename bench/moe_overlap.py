@@ -64,37 +64,45 @@ class MoECosts:
         return self.layers * (compute + (0.0 if kind == "W" else 2 * self.a))
 
 
-def _run_pair_layer(costs: MoECosts, b_kind: str) -> None:
+def _run_pair_layer(costs: MoECosts, b_kind: str, start: float) -> None:
     """One layer of an F&B pair on two streams (this thread: compute; a helper: the
-    all-to-alls), ordered as Megatron's TransformerLayerSchedulePlan.run orders its nodes."""
+    all-to-alls), ordered as Megatron's TransformerLayerSchedulePlan.run orders its nodes.
+    Each segment lasts its cost as a device kernel would (``DeviceClock``, as a lone action
+    does): it ends its cost after it could start (``start`` for the first ones, which
+    absorbs the pair's CPU work, as a lone action's own cost does)."""
+    from bench.emulated_device import DeviceClock
+
     half_b = (2 * costs.c if b_kind == "B" else costs.c) / 2
     combine_b, attention_f, dispatch_f, experts_b = (threading.Event() for _ in range(4))
     dispatch_b, experts_f = threading.Event(), threading.Event()
 
+    def segment(cost: float, begin: float | None = None) -> None:
+        DeviceClock.wait_until((time.perf_counter() if begin is None else begin) + cost)
+
     def comm():
-        time.sleep(costs.a)  # combine(b)
+        segment(costs.a, start)  # combine(b)
         combine_b.set()
         attention_f.wait()
-        time.sleep(costs.a)  # dispatch(f)
+        segment(costs.a)  # dispatch(f)
         dispatch_f.set()
         experts_b.wait()
-        time.sleep(costs.a)  # dispatch(b)
+        segment(costs.a)  # dispatch(b)
         dispatch_b.set()
         experts_f.wait()
-        time.sleep(costs.a)  # combine(f)
+        segment(costs.a)  # combine(f)
 
     stream = threading.Thread(target=comm)
     stream.start()
-    time.sleep(costs.c / 2)  # attention(f)
+    segment(costs.c / 2, start)  # attention(f)
     attention_f.set()
     combine_b.wait()
-    time.sleep(half_b)  # experts(b)
+    segment(half_b)  # experts(b)
     experts_b.set()
     dispatch_f.wait()
-    time.sleep(costs.c / 2)  # experts(f)
+    segment(costs.c / 2)  # experts(f)
     experts_f.set()
     dispatch_b.wait()
-    time.sleep(half_b)  # attention(b)
+    segment(half_b)  # attention(b)
     stream.join()
 
 
@@ -112,10 +120,12 @@ def work_class(paired: bool):
 
         def _pair(self, f_action, f_input, b_action, b_grad):
             self.pairs += 1
+            start = time.perf_counter()
             out = EmulatedStageWork.forward(self, f_action, f_input)
             grad = EmulatedStageWork.backward(self, b_action, b_grad)
             for _ in range(self.device_costs.layers):
-                _run_pair_layer(self.device_costs, b_action.kind)
+                _run_pair_layer(self.device_costs, b_action.kind, start)
+                start = time.perf_counter()
             return out, grad
 
     if paired:
