@@ -7,7 +7,7 @@ import pytest
 
 from megatron_pp_ext.analysis.measured import calibrated_costs, predicted_timeline
 from megatron_pp_ext.analysis.shared_cores import (alone_on_a_core, core_share,
-                                                   simulate_shared_cores)
+                                                   simulate_shared_cores, wake_delay)
 from megatron_pp_ext.analysis.simulate import CostModel, simulate
 from megatron_pp_ext.schedules import build_schedule
 from megatron_pp_ext.timeline import COMPUTE
@@ -71,7 +71,7 @@ def test_the_prediction_from_a_shared_machine_reproduces_its_step(name, v):
     schedule = build_schedule(name, 4, 8, v)
     costs = CostModel(t_f=1.0, t_i=1.0, t_w=1.0, t_b=2.0, t_comm=0.0)
     measured = simulate_shared_cores(schedule, costs, cores=2)
-    again = predicted_timeline(measured, schedule, t_comm=0.0, cores=2)
+    again = predicted_timeline(measured, schedule, t_comm=0.0, cores=2, woken_wait=0.0)
     assert again.makespan == pytest.approx(measured.makespan)
     assert again.bubble_fraction == pytest.approx(measured.bubble_fraction)
     if name == "1f1b":
@@ -88,11 +88,26 @@ def test_the_hosts_time_between_actions_is_taken_back_as_overhead():
     costs = CostModel(t_f=1.0, t_b=2.0, t_i=1.0, t_w=1.0, t_comm=0.0, t_overhead=0.3)
     measured = simulate_shared_cores(schedule, costs, cores=2)
     assert alone_on_a_core(measured, 2)[1] == pytest.approx([0.3] * 4)
-    again = predicted_timeline(measured, schedule, t_comm=0.0, cores=2)
+    again = predicted_timeline(measured, schedule, t_comm=0.0, cores=2, woken_wait=0.0)
     assert again.makespan == pytest.approx(measured.makespan)
     assert again.bubble_fraction == pytest.approx(measured.bubble_fraction)
     plain = simulate_shared_cores(schedule, CostModel(t_f=1.0, t_b=2.0, t_comm=0.0), cores=2)
     assert measured.bubble_fraction > plain.bubble_fraction + 0.05  # the host's time is idle
+
+
+def test_a_rank_woken_while_the_cores_are_taken_waits_idle():
+    """Half of Linux's base slice (0.75 ms x (1 + log2 CPUs, at most 8)); 1F1B p=4, m=8 on
+    2 cores, a woken rank waiting 0.5 t for a core: the ranks that wait show it as idle (the
+    bubble rises), and where a core is free nobody waits (on 4 cores: the same step)."""
+    assert [wake_delay(c) for c in (1, 2, 3, 4, 8, 64)] == pytest.approx(
+        [0.000375, 0.00075, 0.00075, 0.001125, 0.0015, 0.0015])
+    schedule = build_schedule("1f1b", 4, 8)
+    costs = CostModel(t_f=1.0, t_b=2.0, t_comm=0.0)
+    plain, waiting = (simulate_shared_cores(schedule, costs, cores=2, woken_wait=w)
+                      for w in (0.0, 0.5))
+    assert waiting.bubble_fraction > plain.bubble_fraction + 0.01
+    assert simulate_shared_cores(schedule, costs, cores=4, woken_wait=0.5).events == \
+        simulate_shared_cores(schedule, costs, cores=4).events
 
 
 def test_core_share_and_bad_input():

@@ -11,7 +11,7 @@ from dataclasses import replace
 from ..ir import Action, Schedule
 from ..timeline import COMM_WAIT, COMPUTE, Timeline
 from ..units import format_bytes_iec
-from .shared_cores import alone_on_a_core, simulate_shared_cores
+from .shared_cores import alone_on_a_core, simulate_shared_cores, wake_delay
 from .simulate import CostModel, simulate
 
 #: The scalars a traced step reports (tensorboard / wandb tags).
@@ -98,11 +98,13 @@ def calibrated_costs(timeline: Timeline, schedule: Schedule,
 
 
 def predicted_timeline(measured: Timeline, schedule: Schedule,
-                       t_comm: float | None = None, cores: float | None = None) -> Timeline:
+                       t_comm: float | None = None, cores: float | None = None,
+                       woken_wait: float | None = None) -> Timeline:
     """The simulator's timeline of ``schedule`` under the costs measured in ``measured``
     (``t_comm`` as in :func:`calibrated_costs`). ``cores``: the ranks shared that many cores
     (more ranks than cores on one machine): the costs are taken alone on a core and the
-    prediction shares the cores as the step did (``shared_cores``)."""
+    prediction shares the cores as the step did (``shared_cores``), a rank woken while they
+    are all taken waiting ``woken_wait`` seconds for one (default: ``wake_delay``, Linux's)."""
     if cores is None:
         predicted = simulate(schedule, calibrated_costs(measured, schedule, t_comm),
                              validate=False)
@@ -112,7 +114,8 @@ def predicted_timeline(measured: Timeline, schedule: Schedule,
         alone = replace(calibrated_costs(uncontended, schedule, latency), per="stage",
                         t_overhead=[host[schedule.rank_of(stage)]
                                     for stage in range(schedule.num_stages)])
-        predicted = simulate_shared_cores(schedule, alone, cores)
+        predicted = simulate_shared_cores(
+            schedule, alone, cores, wake_delay(cores) if woken_wait is None else woken_wait)
     predicted.unit = "s"
     return predicted
 

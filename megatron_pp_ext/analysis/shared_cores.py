@@ -95,10 +95,23 @@ def alone_on_a_core(measured: Timeline, cores: float) -> tuple[Timeline, list[fl
             [h / n if n else 0.0 for h, n in zip(host, actions)])
 
 
-def simulate_shared_cores(schedule: Schedule, costs: CostModel, cores: float) -> Timeline:
+def wake_delay(cores: float) -> float:
+    """How long a rank woken while every core is taken waits, on average, before it runs:
+    half of Linux's base slice, the time a running task keeps its core before a woken one
+    may take it (EEVDF, Linux 6.6 and later: 0.75 ms x (1 + log2 of the CPUs, at most 8);
+    1.5 ms on 2 CPUs, so 0.75 ms)."""
+    cpus = max(1, min(8, int(cores)))
+    return 0.5 * 0.00075 * cpus.bit_length()
+
+
+def simulate_shared_cores(schedule: Schedule, costs: CostModel, cores: float,
+                          woken_wait: float = 0.0) -> Timeline:
     """The predicted timeline of ``schedule`` when its ranks share ``cores`` cores: each
     action's cost (``costs``, alone on a core) is worked off at ``core_share`` of the ranks
-    computing at that moment; a message arrives ``t_comm`` after its producer ends."""
+    computing at that moment; a message arrives ``t_comm`` after its producer ends.
+    ``woken_wait`` (``wake_delay``): a rank that becomes ready while ``cores`` ranks already
+    compute waits that long (idle, as a measured step shows it: its action starts only once
+    it runs) before it takes its share, unless a core frees first."""
     _check(cores)
     cost = costs.per_stage(schedule)
     duration, t_comm, overhead = action_durations(cost), cost["t_comm"], cost["t_overhead"]
@@ -106,8 +119,9 @@ def simulate_shared_cores(schedule: Schedule, costs: CostModel, cores: float) ->
     position = [0] * len(rows)
     free_at = [0.0] * len(rows)  # when each idle rank finished its last action
     done_at: dict = {}
-    # rank -> [action, start of its compute, the host's work left, work left in all]: the
-    # host's part (t_overhead) first, then the compute, which alone is a compute event
+    # rank -> [action, start of its compute, the host's work left, work left in all, when it
+    # takes its share]: the host's part (t_overhead) first, then the compute, which alone is
+    # a compute event
     running: dict[int, list] = {}
     events: list[Event] = []
     now = 0.0
@@ -131,28 +145,40 @@ def simulate_shared_cores(schedule: Schedule, costs: CostModel, cores: float) ->
                     events.append(Event(rank, f"wait {action}<-rank {owner[dep[1]]}",
                                         free_at[rank], ready, COMM_WAIT))
                 host = overhead[action.stage] if action.kind != BACKWARD_WEIGHT else 0.0
-                running[rank] = [action, None if host > _EPS else now, host,
-                                 duration[action.kind][action.stage]]
+                sharing = sum(1 for entry in running.values() if entry[4] <= now + _EPS)
+                joins = now + woken_wait if sharing >= cores else now
+                running[rank] = [action, None, host, duration[action.kind][action.stage],
+                                 joins]
             else:
                 next_ready = ready if next_ready is None else min(next_ready, ready)
         if not running and next_ready is None:
             break
-        share = core_share(len(running), cores)
-        # the next end of a host part or of an action, at this share
-        step = min(((host if host > _EPS else left) / share
-                    for _, _, host, left in running.values()), default=None)
+        active = [entry for entry in running.values() if entry[4] <= now + _EPS]
+        if len(active) < cores:  # a free core: the woken ones waiting take it now
+            for entry in running.values():
+                entry[4] = min(entry[4], now)
+            active = list(running.values())
+        for entry in active:
+            if entry[1] is None and entry[2] <= _EPS:
+                entry[1] = now  # no host part (left): the compute starts
+        share = core_share(len(active), cores)
+        # the next end of a host part or of an action, at this share, or a woken one's turn
+        step = min([*((host if host > _EPS else left) / share
+                      for _, _, host, left, _ in active),
+                    *(entry[4] - now for entry in running.values() if entry[4] > now + _EPS)],
+                   default=None)
         until = now + step if step is not None else next_ready
         if next_ready is not None and next_ready < until:
             until = next_ready
-        for entry in running.values():
+        for entry in active:
             entry[2] -= (until - now) * share
             entry[3] -= (until - now) * share
         now = until
-        for entry in running.values():
+        for entry in active:
             if entry[1] is None and entry[2] <= _EPS:
                 entry[1] = now  # the host's part done: the compute starts
-        for rank in [r for r, entry in running.items() if entry[3] <= _EPS]:
-            action, start, _, _ = running.pop(rank)
+        for rank in [r for r, entry in running.items() if entry[3] <= _EPS and entry[1] is not None]:
+            action, start, _, _, _ = running.pop(rank)
             events.append(Event(rank, str(action), start, now, COMPUTE))
             done_at[completion_key(action)] = now
             position[rank] += 1
@@ -161,4 +187,4 @@ def simulate_shared_cores(schedule: Schedule, costs: CostModel, cores: float) ->
     return Timeline.of_schedule(schedule, events, peak_activations(schedule), "predicted", "s")
 
 
-__all__ = ["alone_on_a_core", "core_share", "simulate_shared_cores"]
+__all__ = ["alone_on_a_core", "core_share", "simulate_shared_cores", "wake_delay"]

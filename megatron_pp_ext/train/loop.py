@@ -37,6 +37,7 @@ from .measure import (
     pipeline_cores,
     memory_summary,
     unit_cost_bubble,
+    woken_wait,
 )
 from .progress import Progress, format_step
 from .quiet import hide_megatron_warnings
@@ -79,7 +80,9 @@ def train_rank(rank: int, world_size: int, settings: TrainSettings, launcher: st
             f"{world_size} ranks share this machine's {len(os.sched_getaffinity(0))} cores: "
             "each action's cost and the host's time between actions are taken from the "
             "measured step as if alone on a core, and the prediction shares the cores as the "
-            "ranks do (analysis/shared_cores.py)")
+            "ranks do, a rank woken while they are all taken waiting "
+            f"{woken_wait() * 1e3:g} ms for one (half the kernel's base slice; "
+            "analysis/shared_cores.py)")
     history = _History(cores=cores)
     for step in range(settings.steps):
         batches = counting_batches(settings.microbatches, cfg.micro_batch_size, cfg.seq_length,
