@@ -18,8 +18,8 @@ import argparse
 import json
 import resource
 import time
-from pathlib import Path
 
+from bench.provenance import write_results
 from megatron_pp_ext.analysis.lowering import nccl_choice, runtime_program
 from megatron_pp_ext.analysis.nccl_timing import time_program
 from megatron_pp_ext.analysis.simulate import CostModel, action_durations
@@ -95,12 +95,7 @@ def main(argv=None) -> int:
                  "what every rank pays once per schedule before its first step: the build "
                  "(validated), nccl_choice and compile_steps (its part read for the "
                  "executor).")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    out.with_suffix(".json").write_text(json.dumps({"rows": rows, "peak_mib": peak_mb},
-                                                   indent=1))
-    print("\n".join(lines))
+    write_results(args.out, lines, {"rows": rows, "peak_mib": peak_mb})
     return 0
 
 

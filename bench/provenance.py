@@ -73,3 +73,15 @@ def short(prov: dict) -> str:
     dirty = f" + uncommitted changes in {len(prov['dirty_paths'])} files" if prov.get(
         "dirty") else ""
     return f"commit `{commit}`{dirty}, {prov.get('utc_start', '?')}, `{prov.get('command', '?')}`"
+
+
+def write_results(out, lines: list[str], data: dict) -> None:
+    """``out``.md (the lines) and ``out``.json (the data) beside it, and the lines printed."""
+    import json
+    from pathlib import Path
+
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    out.with_suffix(".json").write_text(json.dumps(data, indent=1))
+    print("\n".join(lines))

@@ -44,7 +44,7 @@ def main(argv=None) -> int:
                         default=["zb-v", "1f1b", "dualpipev", "zb-h1", "interleaved"])
     parser.add_argument("--out", default="bench/results/shared_cores")
     args = parser.parse_args(argv)
-    from bench.provenance import current, finish, short
+    from bench.provenance import current, finish, short, write_results
 
     started, prov = time.perf_counter(), current(argv)
     with tempfile.TemporaryDirectory() as tmp:
@@ -63,12 +63,7 @@ def main(argv=None) -> int:
           f"{r['median_predicted']:.1f}% | {r['median_gap_points']:+.1f} | "
           f"{r['max_abs_gap_points']:.1f} | {r['steps_within_5_points']} of {r['steps']} |"
           for r in rows)]
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    out.with_suffix(".json").write_text(json.dumps({"provenance": prov, "rows": rows},
-                                                   indent=1))
-    print("\n".join(lines))
+    write_results(args.out, lines, {"provenance": prov, "rows": rows})
     return 0
 
 
