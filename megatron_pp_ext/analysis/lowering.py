@@ -22,8 +22,8 @@ from .user_program import postings as derive_postings
 from .user_program import program_of
 
 MEGATRON, LOCKSTEP = "megatron", "lockstep"  # the executor's two ways of posting on NCCL
-# and, for DualPipe's F&B pairs, a third: Megatron's fused calls, each pair's inputs received
-# in one batch before it and its two sends in one batch with what follows (DualPipe's commit)
+# and, for DualPipe's F&B pairs, a third: DualPipe's commit (every action's or pair's sends in
+# one batch with the receives of what follows, a pair's two inputs received before it)
 COMMIT = "commit"
 
 
@@ -38,10 +38,10 @@ def lower(schedule: Schedule, posting: str = MEGATRON,
     exchanges its shape headers in a batch of its own and waits on it, as the transport does
     on NCCL. ``postings``: each rank's lockstep-seam posting given explicitly (a user's
     program, ``user_program.postings``). ``prefetch`` and ``overlapped_pairs``:
-    ``program_pass``'s rule of that name; ``overlapped_pairs``: DualPipe's posting, lockstep
-    rounds in which an F&B pair takes one round (only where the schedule has pairs:
-    DualPipeV; the posting is then lockstep whatever ``posting`` says). ``plans``: every
-    rank's ``messages.comm_plan``, when the caller has them."""
+    ``program_pass``'s rule of that name; ``overlapped_pairs``: the F&B pairs (only where the
+    schedule has them: DualPipe, DualPipeV), posted as DualPipe commits with ``COMMIT``, else
+    in lockstep rounds in which a pair takes one round, whatever ``posting`` says. ``plans``:
+    every rank's ``messages.comm_plan``, when the caller has them."""
     pairs = overlapped_pairs and bool(schedule.options.get("overlapped_pairs"))
     if pairs and postings is None and posting != COMMIT:
         posting = LOCKSTEP
@@ -235,8 +235,8 @@ def runtime_program(schedule: Schedule, *, batched: bool, prefetch: bool = False
     (``choice``, when the caller has it), lowered without the shape headers, which the
     transport exchanges inside each call; else Megatron's fused calls, receives posted a call
     early with ``prefetch``; with ``overlapped_pairs`` where the schedule has F&B pairs, as
-    on NCCL, DualPipe's commit posting (or, where that could hang, lockstep rounds with a pair
-    in one), so every rank pairs."""
+    on NCCL, the pairs' posting ``nccl_choice`` picks (DualPipe's commit where it passes and is
+    faster, else lockstep rounds with a pair in one), so every rank pairs."""
     if not batched:
         posting = MEGATRON
         if overlapped_pairs and schedule.options.get("overlapped_pairs"):
@@ -250,6 +250,6 @@ def runtime_program(schedule: Schedule, *, batched: bool, prefetch: bool = False
                  overlapped_pairs=choice.overlapped_pairs)
 
 
-__all__ = ["MEGATRON", "LOCKSTEP", "COMMIT", "USER", "NcclChoice", "lower", "nccl_choice", "nccl_posting",
-           "nccl_post_ahead", "nccl_program", "runtime_program",
+__all__ = ["MEGATRON", "LOCKSTEP", "COMMIT", "USER", "NcclChoice", "commit_pairs", "lower",
+           "nccl_choice", "nccl_posting", "nccl_post_ahead", "nccl_program", "runtime_program",
            "user_postings"]
