@@ -23,7 +23,7 @@ import re
 
 from ..ir import Action, Schedule, ScheduleError
 from ..timeline import COMM_WAIT, COMPUTE, P2P, Event, Timeline
-from ..program import SEND, Batch, Compute, Post, Program, Wait
+from ..program import Batch, Compute, Program, Wait
 from .gc_pause import gc_paused
 from .nccl_play import NcclPlay
 from .nccl_rules import check_nccl_rules
