@@ -147,7 +147,7 @@ def test_the_pair_exchange_gives_both_copies_the_summed_gradient_under_nccls_rul
     for part, (first, second) in sorted(copies.items()):
         assert torch.equal(first, second), f"part {part}: its copies differ"
         torch.testing.assert_close(first, want[part], rtol=1e-12, atol=1e-12)
-        # without the exchange a copy holds one direction's share: not the whole gradient
+    # without the exchange a copy holds one direction's share: not the whole gradient
     alone = run_inmemory(schedule, nccl_rules=True)
     half = next(work for _, work in alone).gradients()[0]
     assert not torch.allclose(half, want[0], rtol=1e-6, atol=1e-9)

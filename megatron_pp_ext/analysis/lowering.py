@@ -52,10 +52,12 @@ def lower(schedule: Schedule, posting: str = MEGATRON,
                          commit_pairs(schedule) if pairs and posting == COMMIT else None)
 
 
-def commit_pairs(schedule: Schedule) -> list[frozenset[int]]:
+def commit_pairs(schedule: Schedule, rounds: list[list[int]] | None = None
+                 ) -> list[frozenset[int]]:
     """Each rank's F&B pairs for the commit posting, as the lockstep rounds pair them (an F
-    and the B or I after it, the B's input made before the F's round)."""
-    return [paired_in(rounds) for rounds in lockstep_rounds(schedule, pairs=True)]
+    and the B or I after it, the B's input made before the F's round); ``rounds``:
+    ``lockstep_rounds(schedule, pairs=True)``, when the caller has them."""
+    return [paired_in(mine) for mine in rounds or lockstep_rounds(schedule, pairs=True)]
 
 
 def _name(schedule: Schedule, posting: str, variable_shapes: bool) -> str:
@@ -106,11 +108,13 @@ def nccl_choice(schedule: Schedule, variable_shapes: bool = False,
 def _derived_choice(schedule: Schedule, variable_shapes: bool, pairs: bool) -> NcclChoice:
     plans = [comm_plan(schedule, rank) for rank in range(schedule.num_ranks)]
     if pairs:  # a round for each pair, or DualPipe's commit where that passes and is faster
-        postings = lockstep_postings(schedule, plans=plans, pairs=True)
+        rounds = lockstep_rounds(schedule, pairs=True)
+        postings = lockstep_postings(schedule, rounds, plans)
         program = lower(schedule, LOCKSTEP, variable_shapes, postings=postings,
                         overlapped_pairs=True, plans=plans)
         check_nccl_rules(program)
-        commit = _commit_program(schedule, variable_shapes, program, plans)
+        commit = _commit_program(schedule, variable_shapes, program, plans,
+                                 commit_pairs(schedule, rounds))
         if commit is not None:
             return NcclChoice(COMMIT, None, False, True, commit)
         return NcclChoice(LOCKSTEP, postings, False, True, program)
@@ -179,15 +183,14 @@ def nccl_post_ahead(schedule: Schedule, variable_shapes: bool = False) -> bool:
 
 
 def _commit_program(schedule: Schedule, variable_shapes: bool, rounds: Program,
-                    plans: list) -> Program | None:
+                    plans: list, pairs: list[frozenset[int]]) -> Program | None:
     """The F&B pairs posted as DualPipe commits them (``COMMIT``), where that program passes
     ``check_nccl_rules`` and, timed at unit costs with the probes' message times, is never
     slower than the lockstep ``rounds`` and somewhere faster (DualPipeV: no rank waits for a
     round its pair takes no part in); else None. (Without its pairs DualPipeV's commit can
     hang: a rank's sends wait on a neighbour that waits for the pair's other input.)"""
     program, feeds = lower_program_lazily(schedule, _name(schedule, COMMIT, variable_shapes),
-                                          None, False, variable_shapes, False, plans,
-                                          commit_pairs(schedule))
+                                          None, False, variable_shapes, False, plans, pairs)
     try:
         check_nccl_rules(program, feeds)
     except ScheduleError:
@@ -238,10 +241,11 @@ def runtime_program(schedule: Schedule, *, batched: bool, prefetch: bool = False
     on NCCL, the pairs' posting ``nccl_choice`` picks (DualPipe's commit where it passes and is
     faster, else lockstep rounds with a pair in one), so every rank pairs."""
     if not batched:
-        posting = MEGATRON
         if overlapped_pairs and schedule.options.get("overlapped_pairs"):
-            posting = nccl_choice(schedule, overlapped_pairs=True).posting
-        return lower(schedule, posting, prefetch=prefetch, overlapped_pairs=overlapped_pairs)
+            choice = nccl_choice(schedule, overlapped_pairs=True)
+            if choice.overlapped_pairs:  # the pairs' program NCCL would run, lowered once
+                return choice.program
+        return lower(schedule, MEGATRON, prefetch=prefetch, overlapped_pairs=overlapped_pairs)
     choice = choice or nccl_choice(schedule, variable_shapes, overlapped_pairs)
     if not variable_shapes:
         return choice.program

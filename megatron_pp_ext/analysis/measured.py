@@ -104,7 +104,8 @@ def predicted_timeline(measured: Timeline, schedule: Schedule,
     (``t_comm`` as in :func:`calibrated_costs`). ``cores``: the ranks shared that many cores
     (more ranks than cores on one machine): the costs are taken alone on a core and the
     prediction shares the cores as the step did (``shared_cores``), a rank woken while they
-    are all taken waiting ``woken_wait`` seconds for one (default: ``wake_delay``, Linux's)."""
+    are all taken waiting ``woken_wait`` seconds for one (default: ``wake_delay`` of this
+    machine's CPUs)."""
     if cores is None:
         predicted = simulate(schedule, calibrated_costs(measured, schedule, t_comm),
                              validate=False)
@@ -115,7 +116,7 @@ def predicted_timeline(measured: Timeline, schedule: Schedule,
                         t_overhead=[host[schedule.rank_of(stage)]
                                     for stage in range(schedule.num_stages)])
         predicted = simulate_shared_cores(
-            schedule, alone, cores, wake_delay(cores) if woken_wait is None else woken_wait)
+            schedule, alone, cores, wake_delay() if woken_wait is None else woken_wait)
     predicted.unit = "s"
     return predicted
 

@@ -20,6 +20,7 @@ as a measured step shows it).
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 
 from ..ir import BACKWARD_WEIGHT, Action, Schedule
@@ -95,12 +96,12 @@ def alone_on_a_core(measured: Timeline, cores: float) -> tuple[Timeline, list[fl
             [h / n if n else 0.0 for h, n in zip(host, actions)])
 
 
-def wake_delay(cores: float) -> float:
+def wake_delay(cpus: int | None = None) -> float:
     """How long a rank woken while every core is taken waits, on average, before it runs:
     half of Linux's base slice, the time a running task keeps its core before a woken one
-    may take it (EEVDF, Linux 6.6 and later: 0.75 ms x (1 + log2 of the CPUs, at most 8);
-    1.5 ms on 2 CPUs, so 0.75 ms)."""
-    cpus = max(1, min(8, int(cores)))
+    may take it (EEVDF, Linux 6.6 and later: 0.75 ms x (1 + log2 of the machine's CPUs, at
+    most 8); 1.5 ms on 2 CPUs, so 0.75 ms). ``cpus``: this machine's by default."""
+    cpus = max(1, min(8, int(cpus or os.cpu_count() or 1)))
     return 0.5 * 0.00075 * cpus.bit_length()
 
 
@@ -177,7 +178,8 @@ def simulate_shared_cores(schedule: Schedule, costs: CostModel, cores: float,
         for entry in active:
             if entry[1] is None and entry[2] <= _EPS:
                 entry[1] = now  # the host's part done: the compute starts
-        for rank in [r for r, entry in running.items() if entry[3] <= _EPS and entry[1] is not None]:
+        done = [r for r, entry in running.items() if entry[3] <= _EPS and entry[1] is not None]
+        for rank in done:
             action, start, _, _, _ = running.pop(rank)
             events.append(Event(rank, str(action), start, now, COMPUTE))
             done_at[completion_key(action)] = now

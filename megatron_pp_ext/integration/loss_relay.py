@@ -143,7 +143,6 @@ def relay_losses(forward_data_store: list, schedule: Schedule, rank: int, pp_gro
     return forward_data_store + relayed
 
 
-
 def mtp_metrics_before(schedule: Schedule, config) -> dict | None:
     """dualpipe with multi-token prediction: the MTP metrics tracker's values before the
     step (what :func:`share_mtp_metrics` adds this step's to); None where nothing is shared."""

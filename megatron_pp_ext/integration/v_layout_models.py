@@ -60,7 +60,6 @@ def v_chunk_stage(pp_rank: int, pp_size: int, vp_stage: int) -> int:
     return pp_rank if vp_stage == 0 else 2 * pp_size - 1 - pp_rank
 
 
-
 def two_chunk_placement(pg_collection, vp_stage, layout: str):
     """For a provider of two chunks per rank (the V layout, dualpipe): the process groups
     its chunks are built with, no embedding group (its all-reduces pair the first and the
@@ -82,6 +81,7 @@ def two_chunk_placement(pg_collection, vp_stage, layout: str):
     placed = copy.copy(pg_collection)
     placed.embd = None
     return placed, dist.get_world_size(pp_group), dist.get_rank(pp_group)
+
 
 def v_layout_model_provider(model_provider, loop_init: bool = True):
     """Wrap a Megatron-LM model provider (``pretrain_gpt.py``'s, or any with its keywords

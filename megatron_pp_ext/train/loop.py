@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from .. import device as device_helper
+from ..analysis.shared_cores import wake_delay
 from ..integration.plan import plan_text
 from . import preload  # noqa: F401  (before Megatron's first import: see its docstring)
 from .data import counting_batches
@@ -37,7 +38,6 @@ from .measure import (
     pipeline_cores,
     memory_summary,
     unit_cost_bubble,
-    woken_wait,
 )
 from .progress import Progress, format_step
 from .quiet import hide_megatron_warnings
@@ -81,7 +81,7 @@ def train_rank(rank: int, world_size: int, settings: TrainSettings, launcher: st
             "each action's cost and the host's time between actions are taken from the "
             "measured step as if alone on a core, and the prediction shares the cores as the "
             "ranks do, a rank woken while they are all taken waiting "
-            f"{woken_wait() * 1e3:g} ms for one (half the kernel's base slice; "
+            f"{wake_delay() * 1e3:g} ms for one (half the kernel's base slice; "
             "analysis/shared_cores.py)")
     history = _History(cores=cores)
     for step in range(settings.steps):

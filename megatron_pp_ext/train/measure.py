@@ -15,7 +15,6 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from ..analysis.measured import predicted_timeline
-from ..analysis.shared_cores import wake_delay
 from ..analysis.simulate import CostModel, simulate
 from ..ir import Schedule
 from ..runtime import trace as tracing
@@ -76,12 +75,6 @@ def pipeline_cores(device_type: str, world_size: int, pp: int) -> float | None:
     return cores * pp / world_size if world_size > cores else None
 
 
-def woken_wait() -> float:
-    """How long a rank woken while this machine's cores are all taken waits for one
-    (``shared_cores.wake_delay`` of its CPUs: the kernel's base slice scales with them)."""
-    return wake_delay(os.cpu_count() or 1)
-
-
 def gather_step(state, pp_group, trace: bool, cores: float | None = None
                 ) -> StepMeasurement | None:
     """Every pipeline rank calls it after each step (a collective without tracing); returns
@@ -96,8 +89,7 @@ def gather_step(state, pp_group, trace: bool, cores: float | None = None
     if trace:
         measured, predicted = state.last_timeline, state.last_predicted
         if cores is not None:
-            predicted = predicted_timeline(measured, state.last_schedule, cores=cores,
-                                           woken_wait=woken_wait())
+            predicted = predicted_timeline(measured, state.last_schedule, cores=cores)
         elif predicted is None:
             predicted = tracing.predicted_timeline(measured, state.last_schedule)
         return _with_memory(StepMeasurement(list(measured.peak_activations), measured,
