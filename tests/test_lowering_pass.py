@@ -14,7 +14,7 @@ import pytest
 
 from megatron_pp_ext.analysis.lowering import (COMMIT, LOCKSTEP, MEGATRON, lower, nccl_choice,
                                                nccl_post_ahead, nccl_posting, user_postings)
-from megatron_pp_ext.analysis.nccl_timing import unit_cost_makespan
+from megatron_pp_ext.analysis.nccl_timing import unit_cost_makespans
 from megatron_pp_ext.analysis.messages import (ACTIVATION, LockstepPosting, Message,
                                                 lockstep_postings)
 from megatron_pp_ext.analysis.user_program import load
@@ -115,8 +115,8 @@ def test_dualpipev_pairs_are_in_the_program():
         ("send", "forward 2F7", 2), ("send", "backward 5B3", 2),
         ("recv", "forward 6F5", 2), ("recv", "backward 1B1", 2)]  # the next pair's inputs
     # unit costs under NCCL's rules, messages of half and one forward: rounds, then commit
-    assert [unit_cost_makespan(program, schedule, t) for t in (0.5, 1.0)
-            for program in (rounds, commit)] == [78.0, 71.5, 90.0, 83.0]
+    assert [unit_cost_makespans(program, schedule, (0.5, 1.0))
+            for program in (rounds, commit)] == [[78.0, 90.0], [71.5, 83.0]]
     assert not any(isinstance(s, Compute) and s.paired for steps in lower(schedule,
                    LOCKSTEP).steps for s in steps)
     assert not any(isinstance(s, Compute) and s.paired for steps in lower(schedule).steps

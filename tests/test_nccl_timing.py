@@ -6,9 +6,11 @@ import random
 
 import pytest
 
-from megatron_pp_ext.analysis.nccl_timing import time_program
+from megatron_pp_ext.analysis.nccl_rules import check_nccl_rules
+from megatron_pp_ext.analysis.nccl_timing import time_program, unit_cost_makespans
 from megatron_pp_ext.analysis.simulate import CostModel, action_durations, simulate
 from megatron_pp_ext.analysis.lowering import lower, nccl_post_ahead, nccl_program
+from megatron_pp_ext.ir import ScheduleError
 from megatron_pp_ext.schedules import build_schedule
 from megatron_pp_ext.timeline import COMM_WAIT, COMPUTE, P2P
 
@@ -129,3 +131,34 @@ def test_simulate_command_draws_the_batches(capsys):
     assert f"makespan={timeline.makespan:g}" in out
     rows = [line.split("|")[0].strip() for line in out.splitlines() if "|" in line]
     assert rows[:4] == ["r0", "r0 p2p", "r1", "r1 p2p"]
+
+
+@pytest.mark.parametrize("name,chunks", BUILT_IN)
+def test_one_play_times_every_message_time_as_a_play_of_its_own(name, chunks):
+    """The lowering compares postings at several message times from one play with a clock
+    per message time (``unit_cost_makespans``): each step time equals the timeline's that
+    ``time_program`` plays alone at that message time, and they differ, so no clock reads
+    another's state."""
+    schedule = build_schedule(name, 4, 8, chunks)
+    program = nccl_program(schedule)
+    stages = schedule.num_stages
+    unit = {"F": [1.0] * stages, "B": [2.0] * stages, "I": [1.0] * stages,
+            "W": [1.0] * stages}
+    probes = (0.0, 0.3, 0.5, 1.0)
+    alone = [time_program(program, schedule, unit, [t] * stages, [1] * 4).makespan
+             for t in probes]
+    assert unit_cost_makespans(program, schedule, probes, check=True) == alone
+    assert len(set(alone)) == len(probes)
+
+
+def test_the_timed_play_checks_nccls_rules_as_the_check_does():
+    """Timed with ``check``, a program that can hang raises what ``check_nccl_rules`` raises
+    (the ranks, the pending ops and the cycle), from the same play."""
+    schedule = build_schedule("zb-v", 4, 8, 2)
+    program = lower(schedule)  # Megatron's fused calls, which can hang on zb-v
+    with pytest.raises(ScheduleError) as want:
+        check_nccl_rules(program)
+    with pytest.raises(ScheduleError) as got:
+        unit_cost_makespans(program, schedule, (0.5, 1.0), check=True)
+    assert str(got.value) == str(want.value)
+    assert "cycle: rank" in str(want.value)

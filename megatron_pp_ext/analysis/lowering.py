@@ -16,7 +16,7 @@ from ..program import Program
 from .gc_pause import gc_paused
 from .messages import comm_plan, lockstep_postings, lockstep_rounds, paired_in
 from .nccl_rules import check_nccl_rules
-from .nccl_timing import unit_cost_makespan
+from .nccl_timing import unit_cost_makespans
 from .program_pass import lower_program, lower_program_lazily
 from .user_program import postings as derive_postings
 from .user_program import program_of
@@ -112,24 +112,25 @@ def _derived_choice(schedule: Schedule, variable_shapes: bool, pairs: bool) -> N
         postings = lockstep_postings(schedule, rounds, plans)
         program = lower(schedule, LOCKSTEP, variable_shapes, postings=postings,
                         overlapped_pairs=True, plans=plans)
-        check_nccl_rules(program)
-        commit = _commit_program(schedule, variable_shapes, program, plans,
+        times = unit_cost_makespans(program, schedule, _PROBES, check=True)
+        commit = _commit_program(schedule, variable_shapes, times, plans,
                                  commit_pairs(schedule, rounds))
         if commit is not None:
             return NcclChoice(COMMIT, None, False, True, commit)
         return NcclChoice(LOCKSTEP, postings, False, True, program)
-    try:  # lowered as the check plays it: where the fused calls hang, they do so early
+    try:  # lowered as the check plays it: where the fused calls hang, they do so early;
+        # timed at the probes in the same play, for the receives posted ahead to beat
         program, feeds = lower_program_lazily(schedule, _name(schedule, MEGATRON,
                                                               variable_shapes),
                                               None, False, variable_shapes, False, plans)
-        check_nccl_rules(program, feeds)
+        times = unit_cost_makespans(program, schedule, _PROBES, feeds, check=True)
     except ScheduleError:
         postings = lockstep_postings(schedule, plans=plans)
         program = lower(schedule, variable_shapes=variable_shapes, postings=postings,
                         plans=plans)
         check_nccl_rules(program)
         return NcclChoice(LOCKSTEP, postings, False, False, program)
-    ahead = _ahead_program(schedule, variable_shapes, program, plans)
+    ahead = _ahead_program(schedule, variable_shapes, program, times, plans)
     return NcclChoice(MEGATRON, None, ahead is not None, False, ahead or program)
 
 
@@ -182,47 +183,42 @@ def nccl_post_ahead(schedule: Schedule, variable_shapes: bool = False) -> bool:
     return nccl_choice(schedule, variable_shapes).post_ahead
 
 
-def _commit_program(schedule: Schedule, variable_shapes: bool, rounds: Program,
+def _commit_program(schedule: Schedule, variable_shapes: bool, rounds_times: list[float],
                     plans: list, pairs: list[frozenset[int]]) -> Program | None:
     """The F&B pairs posted as DualPipe commits them (``COMMIT``), where that program passes
     ``check_nccl_rules`` and, timed at unit costs with the probes' message times, is never
-    slower than the lockstep ``rounds`` and somewhere faster (DualPipeV: no rank waits for a
-    round its pair takes no part in); else None. (Without its pairs DualPipeV's commit can
-    hang: a rank's sends wait on a neighbour that waits for the pair's other input.)"""
+    slower than the lockstep rounds (``rounds_times``, at the probes) and somewhere faster
+    (DualPipeV: no rank waits for a round its pair takes no part in); else None. (Without
+    its pairs DualPipeV's commit can hang: a rank's sends wait on a neighbour that waits for
+    the pair's other input.)"""
     program, feeds = lower_program_lazily(schedule, _name(schedule, COMMIT, variable_shapes),
                                           None, False, variable_shapes, False, plans, pairs)
     try:
-        check_nccl_rules(program, feeds)
+        times = unit_cost_makespans(program, schedule, _PROBES, feeds, check=True)
     except ScheduleError:
         return None
-    return program if _never_slower(schedule, rounds, program) else None
+    return program if _never_slower(rounds_times, times) else None
 
 
-def _never_slower(schedule: Schedule, program: Program, other: Program) -> bool:
-    """Whether ``other``, timed under NCCL's rules at unit costs with messages of half and
-    one forward, is never slower than ``program`` and somewhere faster (stopped at the first
-    probe where it is slower)."""
-    faster = False
-    for t_comm in _PROBES:
-        mine, theirs = (unit_cost_makespan(p, schedule, t_comm) for p in (program, other))
-        if theirs > mine:
-            return False
-        faster |= theirs < mine
-    return faster
+def _never_slower(mine: list[float], theirs: list[float]) -> bool:
+    """Whether the step times ``theirs`` (at the probes) are never above ``mine`` and
+    somewhere below."""
+    return all(t <= m for m, t in zip(mine, theirs)) and any(
+        t < m for m, t in zip(mine, theirs))
 
 
 def _ahead_program(schedule: Schedule, variable_shapes: bool, program: Program,
-                   plans: list) -> Program | None:
-    """Megatron's fused ``program`` with receives posted ahead where ``nccl_post_ahead``
-    allows it, else None."""
+                   times: list[float], plans: list) -> Program | None:
+    """Megatron's fused ``program`` (its step ``times`` at the probes) with receives posted
+    ahead where ``nccl_post_ahead`` allows it, else None."""
     ahead = lower(schedule, MEGATRON, variable_shapes, post_ahead=True, plans=plans)
-    if ahead.steps == program.steps:  # every receive is fused already (1F1B): nothing to gain
+    if ahead.steps == program.steps:  # every receive is fused already: nothing to gain
         return None
     try:
-        check_nccl_rules(ahead)
+        ahead_times = unit_cost_makespans(ahead, schedule, _PROBES, check=True)
     except ScheduleError:
         return None
-    return ahead if _never_slower(schedule, program, ahead) else None
+    return ahead if _never_slower(times, ahead_times) else None
 
 
 def nccl_program(schedule: Schedule, variable_shapes: bool = False) -> Program:

@@ -33,6 +33,7 @@ class NcclPlay:
     def __init__(self, program: Program, feeds: list | None = None):
         self.program = program
         n = len(program.steps)
+        self.lazy = feeds is not None  # the program is lowered as the play gets to it
         self.feeds = list(feeds) if feeds is not None else [None] * n
         self.host = [0] * n  # next step of each rank's host
         self.posted: list[list[Batch]] = [[] for _ in range(n)]  # stream order

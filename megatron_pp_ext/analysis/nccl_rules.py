@@ -33,12 +33,18 @@ def check_nccl_rules(program: Program, feeds: list | None = None) -> None:
     ``feeds``: per rank, an iterator that extends the rank's steps as it is advanced
     (``program_pass.lower_program_lazily``): the play lowers only as far as it gets, so a
     program that hangs early costs only its start; one that passes ends lowered whole."""
-    if feeds is None:
-        _check_pairing(program)
-        _Player(program).check()
+    check_play(RulesPlay(program, feeds))
+
+
+def check_play(play: "RulesPlay") -> None:
+    """``check_nccl_rules`` with a play of one's own (one with clocks: the check and the
+    timing in one play): raises ``ScheduleError`` as it does."""
+    if play.lazy:  # the pairs are known once the play has lowered the program whole
+        play.check()
+        _check_pairing(play.program)
         return
-    _Player(program, feeds).check()
-    _check_pairing(program)
+    _check_pairing(play.program)
+    play.check()
 
 
 def _check_pairing(program: Program) -> None:
@@ -67,7 +73,7 @@ def _check_pairing(program: Program) -> None:
                 f"{pair[1]}, which receives {len(received)}: the extra ones never complete")
 
 
-class _Player(NcclPlay):
+class RulesPlay(NcclPlay):
     """Plays every rank's program under NCCL's rules (``nccl_play``) until all finish or
     nothing moves; explains where it is stuck."""
 
@@ -135,4 +141,4 @@ def _cycle(edges: dict[int, int]) -> list[int]:
 
 
 __all__ = ["SEND", "RECV", "P2POp", "Batch", "Post", "Wait", "Compute", "Program",
-           "check_nccl_rules"]
+           "RulesPlay", "check_nccl_rules", "check_play"]

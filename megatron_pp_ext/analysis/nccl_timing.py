@@ -25,8 +25,7 @@ from ..ir import Action, Schedule, ScheduleError
 from ..timeline import COMM_WAIT, COMPUTE, P2P, Event, Timeline
 from ..program import Batch, Compute, Program, Wait
 from .gc_pause import gc_paused
-from .nccl_play import NcclPlay
-from .nccl_rules import check_nccl_rules
+from .nccl_rules import RulesPlay, check_play
 
 _DIGITS = "0123456789"
 _MESSAGE = re.compile(r"(forward|backward) (\d+)[FB]\d+$")
@@ -49,41 +48,67 @@ def time_program(program: Program, schedule: Schedule, duration: dict[str, list[
     action kind to its per-stage time, ``t_comm`` is each sending stage's message time.
 
     Adds P2P events (a batch in flight on the rank's stream, beside its compute) to the
-    compute and wait events. Checks NCCL's rules first (``check=False`` to skip a program
-    already checked); a program that cannot finish raises ``ScheduleError``."""
-    if check:
-        check_nccl_rules(program)
-    clock = _Clock(program, duration, t_comm)
-    clock.run()
+    compute and wait events. Checks NCCL's rules in the same play (``check=False`` for a
+    program already checked); a program that cannot finish raises ``ScheduleError``."""
+    clock = _Clock(len(program.steps), duration, t_comm)
+    play_with_clocks(program, [clock], check=check)
     return Timeline.of_schedule(schedule, clock.events, peak_activations, "predicted", "t")
 
 
 @gc_paused
-def unit_cost_makespan(program: Program, schedule: Schedule, t_comm: float) -> float:
-    """The step time of a checked ``program`` with every F, I and W costing 1 (B 2) and
-    every message ``t_comm``: how the lowering compares two postings of one schedule."""
+def unit_cost_makespans(program: Program, schedule: Schedule, t_comms: tuple[float, ...],
+                        feeds: list | None = None, check: bool = False) -> list[float]:
+    """The step time of ``program`` with every F, I and W costing 1 (B 2), for each message
+    time in ``t_comms``, all from one play (how the lowering compares two postings of one
+    schedule). ``check``: NCCL's rules checked in that play (``feeds``: lowered as it goes, as
+    ``check_nccl_rules`` takes them), raising ``ScheduleError`` as it does."""
     stages = schedule.num_stages
     duration = {"F": [1.0] * stages, "B": [2.0] * stages, "I": [1.0] * stages,
                 "W": [1.0] * stages}
-    clock = _Clock(program, duration, [t_comm] * stages, keep_events=False)
-    clock.run()
-    return clock.makespan()
+    clocks = [_Clock(len(program.steps), duration, [t] * stages, keep_events=False)
+              for t in t_comms]
+    play_with_clocks(program, clocks, feeds, check)
+    return [clock.makespan() for clock in clocks]
 
 
-class _Clock(NcclPlay):
-    """The play of ``nccl_play`` with clocks: each rank's host clock, each batch's start on
+_HOOKS = ("on_post", "on_start", "on_transfer", "on_complete", "on_compute", "on_wait")
+
+
+def play_with_clocks(program: Program, clocks: list["_Clock"], feeds: list | None = None,
+                     check: bool = True) -> None:
+    """One play of ``program`` under NCCL's rules driving every clock in ``clocks`` (the play,
+    most of the work, is shared: the clocks only add). ``check``: explain a hang as
+    ``check_nccl_rules`` does and check the messages' pairing."""
+    play = RulesPlay(program, feeds)
+    for hook in _HOOKS:  # the play calls self.on_post(...): an instance attribute wins
+        bound = [getattr(clock, hook) for clock in clocks]
+        setattr(play, hook, bound[0] if len(bound) == 1 else _fan_out(bound))
+    if check:
+        check_play(play)
+    elif play.play():
+        raise ScheduleError(f"{program.name}: cannot finish under NCCL's rules "
+                            "(check_nccl_rules names the cycle)")
+
+
+def _fan_out(hooks: list):
+    def call(*args):
+        for hook in hooks:
+            hook(*args)
+    return call
+
+
+class _Clock:
+    """The hooks of ``nccl_play`` with clocks: each rank's host clock, each batch's start on
     its rank's stream and its end, each transfer's end; the events of the timeline."""
 
-    def __init__(self, program: Program, duration: dict[str, list[float]],
-                 t_comm: list[float], keep_events: bool = True):
-        super().__init__(program)
+    def __init__(self, ranks: int, duration: dict[str, list[float]], t_comm: list[float],
+                 keep_events: bool = True):
         self.keep_events = keep_events  # False: the step time only (``makespan``)
         self.duration, self.t_comm = duration, t_comm
-        n = len(program.steps)
-        self.now = [0.0] * n  # each rank's host clock
+        self.now = [0.0] * ranks  # each rank's host clock
         self.posted_at: dict[int, float] = {}  # id(batch) -> when its host posted it
         self.start: dict[int, float] = {}  # id(batch) -> its start on its rank's stream
-        self.end: list[dict[int, float]] = [{} for _ in range(n)]  # batch index -> its end
+        self.end: list[dict[int, float]] = [{} for _ in range(ranks)]  # batch index -> its end
         self.op_end: dict[int, float] = {}  # id(batch) -> its latest transfer's end so far
         self.events: list[Event] = []
         # an action's cost and a message's time by their text less the microbatch ("12F",
@@ -105,11 +130,6 @@ class _Clock(NcclPlay):
         if t is None:
             t = self._comm[key] = self.t_comm[_sending_stage(label)]
         return t
-
-    def run(self) -> None:
-        if self.play():
-            raise ScheduleError(f"{self.program.name}: cannot finish under NCCL's rules "
-                                "(check_nccl_rules names the cycle)")
 
     def makespan(self) -> float:
         """When the last host or stream is done."""
@@ -155,4 +175,4 @@ class _Clock(NcclPlay):
                                      start, end, P2P))
 
 
-__all__ = ["time_program", "unit_cost_makespan"]
+__all__ = ["play_with_clocks", "time_program", "unit_cost_makespans"]
