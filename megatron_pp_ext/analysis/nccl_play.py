@@ -17,7 +17,8 @@ enabled move stays enabled until it is taken, so the end state (finished, or whe
 stuck) does not depend on the order moves are taken in.
 
 Hooks (``on_post``, ``on_start``, ``on_transfer``, ``on_complete``, ``on_compute``,
-``on_wait``) let a subclass keep clocks; the base keeps none. Pure: no torch.
+``on_wait``) let a subclass keep clocks; the base keeps none. ``on_mismatch``: a pair's k-th
+send and receive carry different messages (compared as they match). Pure: no torch.
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ class NcclPlay:
     def __init__(self, program: Program, feeds: list | None = None):
         self.program = program
         n = len(program.steps)
-        self.lazy = feeds is not None  # the program is lowered as the play gets to it
         self.feeds = list(feeds) if feeds is not None else [None] * n
         self.host = [0] * n  # next step of each rank's host
         self.posted: list[list[Batch]] = [[] for _ in range(n)]  # stream order
@@ -54,6 +54,8 @@ class NcclPlay:
     def on_complete(self, rank: int, batch: Batch) -> None: ...
     def on_compute(self, rank: int, step: Compute) -> None: ...
     def on_wait(self, rank: int, step: Wait) -> None: ...
+    def on_mismatch(self, pair: tuple[int, int], k: int, send: tuple, recv: tuple) -> None:
+        """The pair's k-th send and receive carry different messages."""
 
     # ---------------------------------------------------------------- the play
     def play(self) -> list[int]:
@@ -81,18 +83,23 @@ class NcclPlay:
 
     def _advance_host(self, rank: int) -> None:
         steps, done = self.program.steps[rank], self.done[rank]
-        k = self.host[rank]
-        while k < len(steps) or self._more(rank):
+        on_wait, on_compute, post = self.on_wait, self.on_compute, self._post
+        k, n = self.host[rank], len(steps)
+        while True:
+            if k >= n:  # lowered as far as it goes: lower more, if it can
+                if not self._more(rank):
+                    break
+                n = len(steps)
             step = steps[k]
             kind = type(step)
             if kind is Wait:
                 if step.batch not in done:
                     break
-                self.on_wait(rank, step)
+                on_wait(rank, step)
             elif kind is Post:
-                self._post(rank, step.batch)
+                post(rank, step.batch)
             elif kind is Compute:
-                self.on_compute(rank, step)
+                on_compute(rank, step)
             k += 1
             self.host[rank] = k
         self.host[rank] = k
@@ -127,30 +134,28 @@ class NcclPlay:
         for op in batch.ops:
             pairs.append((rank, op.peer) if op.kind == SEND else (op.peer, rank))
 
-    def _running(self, batch: Batch) -> bool:
-        posted, head = self.posted[batch.rank], self.head[batch.rank]
-        return head < len(posted) and posted[head] is batch
-
     def _transfer(self, pair: tuple[int, int]) -> None:
         sends, recvs = self.sends.get(pair), self.recvs.get(pair)
         if not sends or not recvs:
             return
-        k = self.matched.get(pair, 0)
-        while k < len(sends) and k < len(recvs):
+        posted, head, left = self.posted, self.head, self.left
+        k, end = self.matched.get(pair, 0), min(len(sends), len(recvs))
+        while k < end:
             send, recv = sends[k], recvs[k]
-            if not (self._running(send[0]) and self._running(recv[0])):
-                break
+            for batch, _ in (send, recv):  # both must be their rank's running batch
+                r = batch.rank
+                if head[r] >= len(posted[r]) or posted[r][head[r]] is not batch:
+                    return
+            if send[0].ops[send[1]].label != recv[0].ops[recv[1]].label:
+                self.on_mismatch(pair, k, send, recv)
             k += 1
             self.matched[pair] = k
             self.on_transfer(send, recv)
-            self._op_done(*send)
-            self._op_done(*recv)
-
-    def _op_done(self, batch: Batch, op: int) -> None:
-        left = self.left[batch.rank]
-        left[batch.index] -= 1
-        if not left[batch.index]:
-            self._complete(batch.rank, batch)
+            for batch, _ in (send, recv):  # an op done; the batch, once all of its are
+                ops_left = left[batch.rank]
+                ops_left[batch.index] -= 1
+                if not ops_left[batch.index]:
+                    self._complete(batch.rank, batch)
 
     def _complete(self, rank: int, batch: Batch) -> None:
         self.done[rank].add(batch.index)

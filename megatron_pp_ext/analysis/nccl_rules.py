@@ -39,16 +39,13 @@ def check_nccl_rules(program: Program, feeds: list | None = None) -> None:
 def check_play(play: "RulesPlay") -> None:
     """``check_nccl_rules`` with a play of one's own (one with clocks: the check and the
     timing in one play): raises ``ScheduleError`` as it does."""
-    if play.lazy:  # the pairs are known once the play has lowered the program whole
-        play.check()
-        _check_pairing(play.program)
-        return
-    _check_pairing(play.program)
     play.check()
 
 
 def _check_pairing(program: Program) -> None:
-    """Per ordered pair, the k-th send and the k-th receive carry the same message."""
+    """Per ordered pair, as many sends as receives, the k-th of each carrying the same
+    message: asked where a play is stuck (a play that finishes matched every op one to one,
+    and compared each pair's messages as it matched them)."""
     sends, recvs = defaultdict(list), defaultdict(list)
     for rank, steps in enumerate(program.steps):
         for step in steps:
@@ -62,15 +59,20 @@ def _check_pairing(program: Program) -> None:
         sent, received = sends.get(pair, []), recvs.get(pair, [])
         for k, (a, b) in enumerate(zip(sent, received)):
             if a[0] != b[0]:
-                raise ScheduleError(
-                    f"{program.name}: NCCL matches the messages from rank {pair[0]} to rank "
-                    f"{pair[1]} in posting order, but send #{k} is {a[0]} ({a[1]}) while "
-                    f"receive #{k} expects {b[0]} ({b[1]}): the data would land in the wrong "
-                    "buffer")
+                raise ScheduleError(_mismatch(program, pair, k, a, b))
         if len(sent) != len(received):
             raise ScheduleError(
                 f"{program.name}: rank {pair[0]} sends {len(sent)} message(s) to rank "
                 f"{pair[1]}, which receives {len(received)}: the extra ones never complete")
+
+
+def _mismatch(program: Program, pair: tuple[int, int], k: int, sent: tuple,
+              received: tuple) -> str:
+    """The error for a pair's k-th send and receive, each (label, batch), that differ."""
+    return (f"{program.name}: NCCL matches the messages from rank {pair[0]} to rank "
+            f"{pair[1]} in posting order, but send #{k} is {sent[0]} ({sent[1]}) while "
+            f"receive #{k} expects {received[0]} ({received[1]}): the data would land in the "
+            "wrong buffer")
 
 
 class RulesPlay(NcclPlay):
@@ -79,8 +81,14 @@ class RulesPlay(NcclPlay):
 
     def check(self) -> None:
         stuck = self.play()
-        if stuck:
+        if stuck:  # a message sent and never received, or the wrong one, says it better
+            _check_pairing(self.program)
             raise ScheduleError(self._explain(stuck))
+
+    def on_mismatch(self, pair: tuple[int, int], k: int, send: tuple, recv: tuple) -> None:
+        (sb, si), (rb, ri) = send, recv
+        raise ScheduleError(_mismatch(self.program, pair, k, (sb.ops[si].label, sb),
+                                      (rb.ops[ri].label, rb)))
 
     # ------------------------------------------------------------------ the error
     def _pending_ops(self, rank: int) -> list[tuple[P2POp, str]]:

@@ -99,17 +99,22 @@ def _fan_out(hooks: list):
 
 class _Clock:
     """The hooks of ``nccl_play`` with clocks: each rank's host clock, each batch's start on
-    its rank's stream and its end, each transfer's end; the events of the timeline."""
+    its rank's stream and its end, each transfer's end; the events of the timeline.
+
+    A rank's batches start in posting order and one runs at a time, so the clock keeps, per
+    rank, the posting times not yet started and the running batch's start and latest
+    transfer end: lists indexed by rank, no lookups by batch."""
 
     def __init__(self, ranks: int, duration: dict[str, list[float]], t_comm: list[float],
                  keep_events: bool = True):
         self.keep_events = keep_events  # False: the step time only (``makespan``)
         self.duration, self.t_comm = duration, t_comm
         self.now = [0.0] * ranks  # each rank's host clock
-        self.posted_at: dict[int, float] = {}  # id(batch) -> when its host posted it
-        self.start: dict[int, float] = {}  # id(batch) -> its start on its rank's stream
+        self.posted_at: list[list[float]] = [[] for _ in range(ranks)]  # in posting order
+        self.started = [0] * ranks  # how many of the rank's batches have started
+        self.running_start = [0.0] * ranks  # the running batch's start on the stream
+        self.running_end = [_NEVER] * ranks  # its latest transfer's end so far
         self.end: list[dict[int, float]] = [{} for _ in range(ranks)]  # batch index -> its end
-        self.op_end: dict[int, float] = {}  # id(batch) -> its latest transfer's end so far
         self.events: list[Event] = []
         # an action's cost and a message's time by their text less the microbatch ("12F",
         # "forward 3F"): a few hundred keys, where a program has 10^5 actions and messages
@@ -152,27 +157,37 @@ class _Clock:
         self.now[rank] = end
 
     def on_post(self, rank: int, batch: Batch) -> None:
-        self.posted_at[id(batch)] = self.now[rank]
+        self.posted_at[rank].append(self.now[rank])
 
     def on_start(self, rank: int, batch: Batch, previous: Batch | None) -> None:
         """A batch starts at the later of its posting and the end of the one before it."""
+        posted = self.posted_at[rank][self.started[rank]]
+        self.started[rank] += 1
         previous_end = 0.0 if previous is None else self.end[rank][previous.index]
-        self.start[id(batch)] = max(self.posted_at[id(batch)], previous_end)
+        self.running_start[rank] = posted if posted > previous_end else previous_end
+        self.running_end[rank] = _NEVER
 
     def on_transfer(self, send: tuple, recv: tuple) -> None:
-        (sb, si), rb = send, recv[0]
-        done = max(self.start[id(sb)], self.start[id(rb)]) + self._comm_of(sb.ops[si].label)
-        for batch in (sb, rb):
-            if done > self.op_end.get(id(batch), float("-inf")):
-                self.op_end[id(batch)] = done
+        (batch, op), sender, receiver = send, send[0].rank, recv[0].rank
+        start = self.running_start  # both batches run: each its rank's running one
+        a, b = start[sender], start[receiver]
+        done = (a if a > b else b) + self._comm_of(batch.ops[op].label)
+        ends = self.running_end
+        if done > ends[sender]:
+            ends[sender] = done
+        if done > ends[receiver]:
+            ends[receiver] = done
 
     def on_complete(self, rank: int, batch: Batch) -> None:
         """A batch ends when its last op does (one with no ops, when it starts)."""
-        start = self.start[id(batch)]
-        end = self.end[rank][batch.index] = self.op_end.get(id(batch), start)
+        start, last = self.running_start[rank], self.running_end[rank]
+        end = self.end[rank][batch.index] = start if last == _NEVER else last
         if batch.ops and self.keep_events:
             self.events.append(Event(rank, f"#{batch.index} {batch.call or 'p2p'}",
                                      start, end, P2P))
+
+
+_NEVER = float("-inf")  # no transfer of the running batch has ended yet
 
 
 __all__ = ["play_with_clocks", "time_program", "unit_cost_makespans"]
