@@ -26,10 +26,12 @@ CALIBRATION_SCHEDULE = ("1f1b", 1)
 MODELS = ("t_comm", "post", "calibrated")  # the three predictions, least to most fitted
 
 
-def spec_of(label: str) -> tuple[str, int]:
-    """(registry name, v) that predicts a row's schedule (Megatron's runs included)."""
+def spec_of(label: str) -> tuple[str, int] | None:
+    """(registry name, v) that predicts a row's schedule (Megatron's runs included); None for
+    torch.pipelining's rows, which are measured beside the others but not predicted."""
     specs = {label: (name, v) for label, name, v in emulated_device.PLUGIN}
     specs.update({label: pred for label, _, _, pred in emulated_device.MEGATRON})
+    specs.update({label: None for label, *_ in emulated_device.TORCH})
     return specs[label]
 
 
@@ -64,6 +66,9 @@ def apply(tree: dict, cal: dict, k_steps: int) -> None:
     """Attach the calibration's predictions to a judged tree's rows (in place)."""
     p, t = tree["p"], tree["t"]
     for row in tree["rows"]:
+        if spec_of(row["schedule"]) is None:
+            row["held_out"], row["predicted"] = None, None  # not predicted, not judged
+            continue
         name, v = spec_of(row["schedule"])
         row["held_out"] = is_held_out(row, cal)
         row["predicted"] = {model: emulated_device.predict(

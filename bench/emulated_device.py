@@ -16,6 +16,9 @@ One process tree per pipeline size ``p`` runs, for each ``m``:
   with ``.config`` and ``set_input_tensor`` whose autograd Function sleeps ``t_F`` forward and
   ``t_B`` backward), and the plugin's drop-in ``ScheduleFunction("1f1b")`` on the same fake
   model (the two 1F1B implementations over identical stage code);
+* PyTorch's own runtime, ``torch.distributed.pipelining`` (``PipelineStage`` and its schedule
+  classes, ``bench.torch_pipelining.TORCH``) on the same default group, its chunks costing
+  what the plugin's do, the I/W split being torch's own (measured, not predicted);
 
 every step between two barriers (as Megatron's optimizer step synchronizes the ranks),
 schedules in a rotating order, ``reps`` rounds. A step's time is the last rank's end minus
@@ -60,6 +63,7 @@ from dataclasses import dataclass
 
 import torch
 
+from bench.torch_pipelining import TORCH
 from megatron_pp_ext.analysis.simulate import CostModel, simulate
 from megatron_pp_ext.ir import Action, Schedule
 from megatron_pp_ext.schedules import build_schedule
@@ -95,6 +99,7 @@ class Setup:
     b2b_reps: int = 3  # rounds of back-to-back runs
     back_to_back_ms: tuple = ()  # the m's to run back to back (none: skip)
     megatron: bool = True
+    torch_pipelining: bool = True  # torch.distributed.pipelining's schedules (TORCH rows)
     niceness: int = -20  # 0: leave the priority alone
     only: tuple = ()  # run just these labels (empty: all)
     # cross-step runs (at the back-to-back m's): optimizer step emulation, in units of t
@@ -352,6 +357,25 @@ def traced_round(tracer, optimizer: "OptimizerStepEmulation", k: int, m: int, ra
 
 
 # ------------------------------------------------------------------ one step of each kind
+def torch_runners(runners: dict, out: dict, rank: int, p: int, m: int, setup) -> list:
+    """Add a runner per ``TORCH`` row that torch accepts at (p, m); record the error of the
+    ones it refuses (every rank refuses alike: the checks are on p, m and the layout).
+    Returns the labels added: new schedule objects, each needing its own warm-up step."""
+    from bench.torch_pipelining import runner_or_error
+
+    added = []
+    for label, *_ in TORCH:
+        if setup.only and label not in setup.only:
+            continue
+        runner, error = runner_or_error(label, rank, p, m, setup.t, ROWS, WIDTH)
+        if error is not None:
+            out.setdefault("torch_errors", {})[(m, label)] = error
+            continue
+        runners[label] = runner.step
+        added.append(label)
+    return added
+
+
 def plugin_step(schedule: Schedule, rank: int, transport, weights, inputs, costs,
                 trace: bool = False):
     """One step on the executor; its events when ``trace`` (absolute perf_counter times)."""
@@ -455,10 +479,11 @@ def tree(rank: int, world: int, setup: Setup) -> dict:
         for label, key, v, _ in (MEGATRON if setup.megatron else []):
             function, chunks = megatron[key]
             runners[label] = lambda f=function, c=chunks: megatron_step(f, c, m, data)
+        fresh = torch_runners(runners, out, rank, p, m, setup) if setup.torch_pipelining else []
 
         labels = [label for label in runners if not setup.only or label in setup.only]
-        if m == setup.ms[0]:
-            for label in labels:  # one untimed warm-up step each (imports, caches)
+        for label in labels:  # one untimed warm-up step each (imports, caches, torch's set-up)
+            if m == setup.ms[0] or label in fresh:
                 runners[label]()
                 dist.barrier()
         steps = {label: [] for label in labels}
@@ -601,9 +626,11 @@ def summarize(per_rank: list[dict], setup: Setup) -> dict:
     _cross_step_ratios(cross)
     timelines = [cross_timeline(per_rank, m, label, mode, k)
                  for (m, label, mode) in per_rank[0].get("cross_trace", {})]
+    errors = [{"p": p, "m": m, "schedule": label, "error": error}
+              for (m, label), error in per_rank[0].get("torch_errors", {}).items()]
     return {"p": p, "t": t, "rtt": rtt, "rtt_median": statistics.median(trips), "post": post,
             "t_comm": rtt / 2, "reniced": all(r["reniced"] for r in per_rank), "rows": rows,
-            "back_to_back": b2b, "cross_step": cross,
+            "back_to_back": b2b, "cross_step": cross, "torch_errors": errors,
             **({"cross_timelines": timelines} if timelines else {})}
 
 
@@ -611,6 +638,7 @@ def _v_of(label: str) -> int:
     chunks = {label: v for label, _, v in PLUGIN}
     chunks.update({label: v for label, _, v, _ in PLUGIN_ONLY_WHEN_ASKED})
     chunks.update({label: v for label, _, v, _ in MEGATRON})
+    chunks.update({label: v for label, _, v, _ in TORCH})
     return chunks[label]
 
 
@@ -654,11 +682,12 @@ def _cross_step_ratios(rows: list) -> None:
 def run(p: int, ms, t: float = 0.020, reps: int = 5, back_to_back_ms=(), k_steps: int = 4,
         b2b_reps: int = 3, megatron: bool = True, niceness: int = -20, only=(),
         timeout_s: float = 900, optimizer_modes=OPTIMIZER_MODES, rollback_steps=(2,),
-        timeline_labels=()) -> dict:
+        timeline_labels=(), torch_pipelining: bool = True) -> dict:
     from megatron_pp_ext.train.processes import spawn
 
     setup = Setup(p=p, ms=tuple(ms), t=t, reps=reps, k_steps=k_steps, b2b_reps=b2b_reps,
-                  back_to_back_ms=tuple(back_to_back_ms), megatron=megatron, niceness=niceness,
+                  back_to_back_ms=tuple(back_to_back_ms), megatron=megatron,
+                  torch_pipelining=torch_pipelining, niceness=niceness,
                   only=tuple(only), optimizer_modes=tuple(optimizer_modes),
                   rollback_steps=tuple(rollback_steps), timeline_labels=tuple(timeline_labels))
     from bench.provenance import utc_now

@@ -89,6 +89,7 @@ def emulated_markdown(section: dict, t: float, checks: list) -> list[str]:
     out += judged_table(trees, by_p, t)
     out += accuracy_lines(trees, checks)
     target_checks(trees, checks)
+    torch_target_checks(trees, checks, t)
     out += selector_check.markdown(selector_check.check(trees, by_p, t), checks)
     out += back_to_back_table(trees)
     return out
@@ -128,17 +129,36 @@ def judged_table(trees: list, cals: dict, t: float) -> list[str]:
             group = [r for r in tree["rows"] if r["m"] == m]
             base = next(r for r in group if r["schedule"] == "1f1b")
             for r in group:
-                errors = [with_range(calibration.error_rounds(r, model))
-                          for model in calibration.MODELS]
-                predicted = r["predicted"]["calibrated"] / base["predicted"]["calibrated"]
-                out.append(f"| {r['p']} | {m} | {r['schedule']} | {r['v']} | "
-                           f"{ms_range(r['times'])} | {with_range(r['vs_1f1b_rounds'])} | "
-                           f"{predicted:.3f} | {' | '.join(errors)} | "
-                           f"{'yes' if r['held_out'] else 'no (calibration)'} |")
+                out.append(judged_row(r, base))
             limit = 3 * m * t
             out.append(f"| {tree['p']} | {m} | zero-bubble limit m(t_F+t_I+t_W) | - | "
                        f"{1e3 * limit:.1f} | {limit / base['median']:.3f} | "
                        f"{limit / base['predicted']['calibrated']:.3f} | - | - | - | - |")
+    return out + [""] + torch_notes(trees)
+
+
+def judged_row(r: dict, base: dict) -> str:
+    """One row of the judged table; torch.pipelining's rows are measured only ("-")."""
+    head = (f"| {r['p']} | {r['m']} | {r['schedule']} | {r['v']} | {ms_range(r['times'])} | "
+            f"{with_range(r['vs_1f1b_rounds'])} | ")
+    if r.get("predicted") is None:
+        return head + "- | - | - | - | - |"
+    errors = [with_range(calibration.error_rounds(r, model)) for model in calibration.MODELS]
+    predicted = r["predicted"]["calibrated"] / base["predicted"]["calibrated"]
+    return head + (f"{predicted:.3f} | {' | '.join(errors)} | "
+                   f"{'yes' if r['held_out'] else 'no (calibration)'} |")
+
+
+def torch_notes(trees: list) -> list[str]:
+    """What the torch rows are, and the configurations torch's classes refused."""
+    out = ["\"torch ...\": `torch.distributed.pipelining` (`PipelineStage` + the schedule "
+           "class named) in the same tree and rounds, chunks costing what the plugin's do, its "
+           "own I/W split (`stage_backward_input` / `stage_backward_weight`; on stage 0 torch "
+           "skips the input half and runs the whole backward in W). Not predicted."]
+    for tree in trees:
+        for e in tree.get("torch_errors", []):
+            out.append(f"* p={e['p']} m={e['m']} {e['schedule']}: not run, torch raised "
+                       f"`{e['error']}`")
     return out + [""]
 
 
@@ -188,6 +208,76 @@ def target_checks(trees: list, checks: list) -> None:
                              f"predicted {pr:.3f})" for r, pr in values)
             checks.append(("(a)", f"{name} <= {limit} of 1F1B", text,
                            all(r["vs_1f1b"] <= limit for r, _ in values)))
+
+
+TORCH_TARGET, FLOOR_TARGET = 0.95, 1.02
+
+
+def torch_target_checks(trees: list, checks: list, t: float) -> None:
+    """Per (p, m): the fastest plugin schedule within 1F1B's activation memory against (1)
+    torch.pipelining's fastest row of the same run (per-round ratio) and (2) the floor of
+    its own layout."""
+    for tree in trees:
+        p = tree["p"]
+        for m in sorted({r["m"] for r in tree["rows"]}):
+            group = {r["schedule"]: r for r in tree["rows"] if r["m"] == m}
+            fits = [r for label, r in group.items()
+                    if label in PLUGIN_LABELS and peak_v1(label, p, m) <= p]
+            torch_rows = [r for label, r in group.items() if label in TORCH_LABELS]
+            if not fits:
+                continue
+            best = min(fits, key=lambda r: r["median"])
+            name = f"{best['schedule']} {ms_range(best['times'])}"
+            where = f"p={p} m={m}"
+            if torch_rows:
+                rival = min(torch_rows, key=lambda r: r["median"])
+                ratios = [a / b for a, b in zip(best["times"], rival["times"])]
+                checks.append(("(a)", f"{where}: fastest plugin schedule within 1F1B's peak "
+                               f"activations ({p} in v=1 units) / torch.pipelining's fastest "
+                               f"row, per round, <= {TORCH_TARGET}",
+                               f"{name} / {rival['schedule']} {ms_range(rival['times'])}: "
+                               f"{with_range(ratios)}", median(ratios) <= TORCH_TARGET))
+            floor = layout_floor(best["schedule"], p, m, t)
+            checks.append(("(a)", f"{where}: that schedule / its floor m(t_F+t_I+t_W) + its "
+                           f"layout's fill, <= {FLOOR_TARGET}",
+                           f"{name} / {1e3 * floor:.1f}: "
+                           f"{with_range([x / floor for x in best['times']])}",
+                           best["median"] / floor <= FLOOR_TARGET))
+
+
+def _labels():
+    from bench import emulated_device
+
+    plugin = {label for label, *_ in emulated_device.PLUGIN}
+    plugin |= {label for label, *_ in emulated_device.PLUGIN_ONLY_WHEN_ASKED}
+    return plugin, {label for label, *_ in emulated_device.TORCH}
+
+
+PLUGIN_LABELS, TORCH_LABELS = _labels()
+
+
+def peak_v1(label: str, p: int, m: int) -> float:
+    """The schedule's peak of live activations on any rank, in v=1 units (a stage's
+    activation is 1/path_chunks of a rank's share; dualpipe's stages are whole parts)."""
+    from bench.emulated_device import labelled_schedule
+    from megatron_pp_ext.schedules.validate import peak_activations
+
+    schedule = labelled_schedule(label, p, m)
+    return max(peak_activations(schedule)) / schedule.path_chunks
+
+
+def layout_floor(label: str, p: int, m: int, t: float) -> float:
+    """m(t_F+t_I+t_W), every rank's work, plus the fill its layout cannot avoid: a rank
+    cannot start before the forwards of the stages between an entry and its nearest stage
+    (t / path_chunks each); the latest such start over the ranks, e.g. (p-1) t/2 for the V
+    layout, (p-1) t for 1F1B's."""
+    from bench.emulated_device import labelled_schedule
+
+    schedule = labelled_schedule(label, p, m)
+    entries = [s for s in range(schedule.num_stages) if schedule.is_entry(s)]
+    ahead = lambda s: s - max(e for e in entries if e <= s)  # stages before s on its path
+    fill = max(min(ahead(s) for s in schedule.stages_of(rank)) for rank in range(p))
+    return 3 * m * t + fill * t / schedule.path_chunks
 
 
 def back_to_back_table(trees: list) -> list[str]:
