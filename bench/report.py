@@ -9,8 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from bench import calibration, selector_check
+from bench.emulated_device import PLUGIN, PLUGIN_ONLY_WHEN_ASKED, TORCH, labelled_schedule
 from bench.provenance import short
 from bench.stats import median, ms_range, quartiles, with_range
+from megatron_pp_ext.schedules.validate import peak_activations
 
 TARGETS = {"zb-h1": 0.85, "zb-h2": 0.80, "zb-v": 0.80}
 PARTS = {"emulated": "(a)", "real_gpt": "(b)", "overhead": "(c)", "analysis": "(d)",
@@ -245,23 +247,13 @@ def torch_target_checks(trees: list, checks: list, t: float) -> None:
                            best["median"] / floor <= FLOOR_TARGET))
 
 
-def _labels():
-    from bench import emulated_device
-
-    plugin = {label for label, *_ in emulated_device.PLUGIN}
-    plugin |= {label for label, *_ in emulated_device.PLUGIN_ONLY_WHEN_ASKED}
-    return plugin, {label for label, *_ in emulated_device.TORCH}
-
-
-PLUGIN_LABELS, TORCH_LABELS = _labels()
+PLUGIN_LABELS = {label for label, *_ in PLUGIN + PLUGIN_ONLY_WHEN_ASKED}
+TORCH_LABELS = {label for label, *_ in TORCH}
 
 
 def peak_v1(label: str, p: int, m: int) -> float:
     """The schedule's peak of live activations on any rank, in v=1 units (a stage's
     activation is 1/path_chunks of a rank's share; dualpipe's stages are whole parts)."""
-    from bench.emulated_device import labelled_schedule
-    from megatron_pp_ext.schedules.validate import peak_activations
-
     schedule = labelled_schedule(label, p, m)
     return max(peak_activations(schedule)) / schedule.path_chunks
 
@@ -271,8 +263,6 @@ def layout_floor(label: str, p: int, m: int, t: float) -> float:
     cannot start before the forwards of the stages between an entry and its nearest stage
     (t / path_chunks each); the latest such start over the ranks, e.g. (p-1) t/2 for the V
     layout, (p-1) t for 1F1B's."""
-    from bench.emulated_device import labelled_schedule
-
     schedule = labelled_schedule(label, p, m)
     entries = [s for s in range(schedule.num_stages) if schedule.is_entry(s)]
     ahead = lambda s: s - max(e for e in entries if e <= s)  # stages before s on its path
@@ -505,24 +495,31 @@ def plot(section: dict, path: Path) -> None:
         rows = tree["rows"]
         ms_ = sorted({r["m"] for r in rows})
         labels = list(dict.fromkeys(r["schedule"] for r in rows))
+        # torch.pipelining's rows are measured, not predicted: left panel only
+        predicted = [label for label in labels
+                     if all(r.get("predicted") for r in rows if r["schedule"] == label)]
         width = 0.8 / len(ms_)
         for i, m in enumerate(ms_):
             group = {r["schedule"]: r for r in rows if r["m"] == m}
-            xs = [j + (i - (len(ms_) - 1) / 2) * width for j in range(len(labels))]
+            shift = (i - (len(ms_) - 1) / 2) * width
+            xs = [j + shift for j, label in enumerate(labels) if label in group]
             base = group["1f1b"]["predicted"]["calibrated"]
-            _bars(row[0], xs, [group[label]["vs_1f1b_rounds"] for label in labels], width,
-                  f"m={m} measured")
-            row[0].scatter(xs, [group[label]["predicted"]["calibrated"] / base
-                                for label in labels],
+            _bars(row[0], xs, [group[label]["vs_1f1b_rounds"] for label in labels
+                               if label in group], width, f"m={m} measured")
+            row[0].scatter([j + shift for j, label in enumerate(labels)
+                            if label in predicted and label in group],
+                           [group[label]["predicted"]["calibrated"] / base
+                            for label in labels if label in predicted and label in group],
                            marker="_", s=120, color="black", zorder=3,
                            label="predicted" if i == 0 else None)
             row[0].axhline(3 * m * tree["t"] / group["1f1b"]["median"], color=f"C{i}",
                            linestyle=":", linewidth=1)
-            _bars(row[1], xs, [calibration.error_rounds(group[label], "calibrated")
-                               for label in labels], width, f"m={m}")
-        for ax in row:
-            ax.set_xticks(range(len(labels)))
-            ax.set_xticklabels(labels, rotation=30, ha="right", fontsize=8)
+            _bars(row[1], [j + shift for j, label in enumerate(predicted) if label in group],
+                  [calibration.error_rounds(group[label], "calibrated")
+                   for label in predicted if label in group], width, f"m={m}")
+        for ax, names in ((row[0], labels), (row[1], predicted)):
+            ax.set_xticks(range(len(names)))
+            ax.set_xticklabels(names, rotation=30, ha="right", fontsize=8)
             ax.grid(axis="y", alpha=0.3)
         row[0].set_title(f"p={tree['p']}: step time / plugin 1f1b, median and min-max "
                          "(dotted: zero-bubble limit)", fontsize=10)

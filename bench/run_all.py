@@ -5,12 +5,12 @@
     .venv/bin/python bench/run_all.py --only a     # one part; the others' rows stay as they were
 
 (a) emulated device (sleeping stages, real Executor over gloo; Megatron's own schedules on a
-    fake Megatron model), calibrated on one run and judged on another, (b) the tiny real
-    GPTModel: plugin 1f1b vs Megatron's 1F1B over several fresh runs, (c) executor overhead per
-    action, (d) validator and simulator at p=64, m=512, (e) every schedule over the in-memory
-    NCCL-rules fabric against the simulator's NCCL model, (f) the tiny GPT's activation memory
-    in bytes at p=4, m=8 for every schedule, measured beside the simulator's count in bytes
-    calibrated by a separate run.
+    fake Megatron model; torch.distributed.pipelining's on the same device), calibrated on one
+    run and judged on another, (b) the tiny real GPTModel: plugin 1f1b vs Megatron's 1F1B
+    over several fresh runs, (c) executor overhead per action, (d) validator and simulator at
+    p=64, m=512, (e) every schedule over the in-memory NCCL-rules fabric against the
+    simulator's NCCL model, (f) the tiny GPT's activation memory in bytes at p=4, m=8 for
+    every schedule, measured beside the simulator's count in bytes calibrated by a separate run.
 Every figure is a median with its min-max over the repeated runs; every ratio is taken between
 runs of the same process tree, round by round. Every part records the commit, UTC time and
 command that produced it. See bench/README.md.

@@ -100,10 +100,23 @@ def stage_indices(rank: int, p: int, v: int, layout: str) -> list[int]:
 
 
 def schedule_class(name: str):
-    """Torch's class for ``name``, or the error that says why this torch has none."""
+    """Torch's class for ``name`` (a ValueError where this torch has none)."""
     from torch.distributed.pipelining.schedules import get_schedule_class
 
     return get_schedule_class(name)
+
+
+def make_stage(index: int, num_stages: int, cost: float, rows: int, width: int):
+    """A ``PipelineStage`` with static shapes (no metadata exchange in the steps). A received
+    activation needs a gradient (torch takes ``requires_grad`` from the example), the data
+    does not."""
+    from torch.distributed.pipelining import PipelineStage
+
+    example = torch.empty(rows, width, dtype=torch.float64)
+    received = example.clone().requires_grad_(index > 0)
+    return PipelineStage(SleepChunk(cost, cost, cost, first=(index == 0)), index, num_stages,
+                         torch.device("cpu"), input_args=(received,),
+                         output_args=(example.clone().requires_grad_(),))
 
 
 class TorchRunner:
@@ -111,32 +124,19 @@ class TorchRunner:
 
     def __init__(self, label: str, rank: int, p: int, m: int, t: float, rows: int,
                  width: int):
-        from torch.distributed.pipelining import PipelineStage
-
         _, name, v, layout = next(row for row in TORCH if row[0] == label)
-        self.m, self.rows, self.width = m, rows, width
-        self.stages = [self._stage(PipelineStage, s, p * v, t / v, rows, width)
+        self.stages = [make_stage(s, p * v, t / v, rows, width)
                        for s in stage_indices(rank, p, v, layout)]
-        cls = schedule_class(name)
-        stages = self.stages[0] if v == 1 else self.stages
-        self.schedule = cls(stages, n_microbatches=m, loss_fn=loss_fn)
+        stages = self.stages[0] if v == 1 else self.stages  # single-stage classes take one
+        self.schedule = schedule_class(name)(stages, n_microbatches=m, loss_fn=loss_fn)
         self.first = any(stage.is_first for stage in self.stages)
         self.last = any(stage.is_last for stage in self.stages)
-        self.batch = torch.ones(m * rows, width, dtype=torch.float64)
-
-    @staticmethod
-    def _stage(PipelineStage, index: int, num_stages: int, cost: float, rows: int, width: int):
-        """Static shapes (no metadata exchange in the steps). A received activation needs a
-        gradient (its ``requires_grad`` comes from the example), the data does not."""
-        example = torch.empty(rows, width, dtype=torch.float64)
-        received = example.clone().requires_grad_(index > 0)
-        return PipelineStage(SleepChunk(cost, cost, cost, first=(index == 0)), index,
-                             num_stages, torch.device("cpu"), input_args=(received,),
-                             output_args=(example.clone().requires_grad_(),))
+        self.batch = torch.ones(m * rows, width, dtype=torch.float64)  # split into m
+        self.target = torch.zeros(m)  # torch indexes one per microbatch; loss_fn ignores it
 
     def step(self) -> None:
         args = (self.batch,) if self.first else ()
-        kwargs = {"target": torch.zeros(self.m)} if self.last else {}
+        kwargs = {"target": self.target} if self.last else {}
         self.schedule.step(*args, **kwargs)
         for stage in self.stages:
             stage.submod.weight.grad = None
@@ -215,11 +215,11 @@ def action_tree(rank: int, world: int, label: str, m: int, t: float) -> list:
 
     runner = TorchRunner(label, rank, world, m, t, 8, 64)
     runner.step()
-    records = [r for stage in runner.stages for r in [timed_actions(stage)]]
+    per_stage = [timed_actions(stage) for stage in runner.stages]
     dist.barrier()
     runner.step()
     dist.barrier()
-    return [x for r in records for x in r]
+    return [record for records in per_stage for record in records]
 
 
 def action_summary(label: str, p: int = 4, m: int = 8, t: float = 0.020) -> dict:
