@@ -33,13 +33,7 @@ def check_nccl_rules(program: Program, feeds: list | None = None) -> None:
     ``feeds``: per rank, an iterator that extends the rank's steps as it is advanced
     (``program_pass.lower_program_lazily``): the play lowers only as far as it gets, so a
     program that hangs early costs only its start; one that passes ends lowered whole."""
-    check_play(RulesPlay(program, feeds))
-
-
-def check_play(play: "RulesPlay") -> None:
-    """``check_nccl_rules`` with a play of one's own (one with clocks: the check and the
-    timing in one play): raises ``ScheduleError`` as it does."""
-    play.check()
+    RulesPlay(program, feeds).check()
 
 
 def _check_pairing(program: Program) -> None:
@@ -149,4 +143,4 @@ def _cycle(edges: dict[int, int]) -> list[int]:
 
 
 __all__ = ["SEND", "RECV", "P2POp", "Batch", "Post", "Wait", "Compute", "Program",
-           "RulesPlay", "check_nccl_rules", "check_play"]
+           "RulesPlay", "check_nccl_rules"]

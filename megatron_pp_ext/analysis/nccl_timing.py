@@ -25,7 +25,7 @@ from ..ir import Action, Schedule, ScheduleError
 from ..timeline import COMM_WAIT, COMPUTE, P2P, Event, Timeline
 from ..program import Batch, Compute, Program, Wait
 from .gc_pause import gc_paused
-from .nccl_rules import RulesPlay, check_play
+from .nccl_rules import RulesPlay
 
 _DIGITS = "0123456789"
 _MESSAGE = re.compile(r"(forward|backward) (\d+)[FB]\d+$")
@@ -84,7 +84,7 @@ def play_with_clocks(program: Program, clocks: list["_Clock"], feeds: list | Non
         bound = [getattr(clock, hook) for clock in clocks]
         setattr(play, hook, bound[0] if len(bound) == 1 else _fan_out(bound))
     if check:
-        check_play(play)
+        play.check()
     elif play.play():
         raise ScheduleError(f"{program.name}: cannot finish under NCCL's rules "
                             "(check_nccl_rules names the cycle)")
