@@ -376,16 +376,24 @@ def torch_runners(runners: dict, out: dict, rank: int, p: int, m: int, setup) ->
     return added
 
 
-def plugin_step(schedule: Schedule, rank: int, transport, weights, inputs, costs,
-                trace: bool = False):
-    """One step on the executor; its events when ``trace`` (absolute perf_counter times)."""
-    from megatron_pp_ext.runtime.executor import Executor
+def plugin_runner(schedule: Schedule, rank: int, transport, weights, inputs, costs,
+                  trace: bool = False):
+    """A callable running one step on the executor (its events when ``trace``: absolute
+    perf_counter times). The rank's compiled steps are derived here, once, as the drop-in
+    derives them once per schedule: no timed step pays the lowering."""
+    from megatron_pp_ext.runtime.executor import Executor, steps_for
 
-    work = device_work_class()(schedule, rank, weights, inputs, costs)
-    result = Executor(schedule, rank, transport, work, recv_shape=(ROWS, WIDTH),
-                      dtype=torch.float64, device=torch.device("cpu"), timeout_s=120,
-                      trace=trace).run()
-    return result.events if trace else None
+    work_class = device_work_class()
+    steps = steps_for(schedule, rank, transport,
+                      work_class(schedule, rank, weights, inputs, costs))
+
+    def step():
+        work = work_class(schedule, rank, weights, inputs, costs)
+        result = Executor(schedule, rank, transport, work, recv_shape=(ROWS, WIDTH),
+                          dtype=torch.float64, device=torch.device("cpu"), timeout_s=120,
+                          trace=trace, steps=steps).run()
+        return result.events if trace else None
+    return step
 
 
 def megatron_step(function, chunks, m: int, data):
@@ -472,10 +480,9 @@ def tree(rank: int, world: int, setup: Setup) -> dict:
             weights = stage_weights(schedule.num_stages, WIDTH)
             inputs = microbatch_inputs(m, ROWS, WIDTH)
             costs = costs_for(t, schedule.path_chunks)  # dualpipe's stages are whole parts
-            runners[label] = (lambda s=schedule, w=weights, i=inputs, c=costs:
-                              plugin_step(s, rank, transport, w, i, c))
-            tracers[label] = (lambda s=schedule, w=weights, i=inputs, c=costs:
-                              plugin_step(s, rank, transport, w, i, c, trace=True))
+            runners[label] = plugin_runner(schedule, rank, transport, weights, inputs, costs)
+            tracers[label] = plugin_runner(schedule, rank, transport, weights, inputs, costs,
+                                           trace=True)
         for label, key, v, _ in (MEGATRON if setup.megatron else []):
             function, chunks = megatron[key]
             runners[label] = lambda f=function, c=chunks: megatron_step(f, c, m, data)

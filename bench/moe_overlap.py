@@ -138,15 +138,19 @@ def _step(schedule, rank, transport, costs: MoECosts, posting: str | None
     """One step; ``posting``: the pairs' (COMMIT or LOCKSTEP), None for no pairs (the program
     the executor derives itself)."""
     from megatron_pp_ext.analysis.lowering import lower
-    from megatron_pp_ext.runtime.executor import Executor
+    from megatron_pp_ext.analysis.program_steps import compile_steps
+    from megatron_pp_ext.runtime.executor import Executor, steps_for
     from support.emulated import microbatch_inputs, stage_weights
 
-    program = None if posting is None else lower(schedule, posting, overlapped_pairs=True)
     work = work_class(posting is not None)(schedule, rank, stage_weights(schedule.num_stages, WIDTH),
                               microbatch_inputs(schedule.num_microbatches, ROWS, WIDTH), costs)
+    # the rank's steps derived before the clock starts, for every run alike (the drop-in
+    # derives them once per schedule)
+    steps = (steps_for(schedule, rank, transport, work) if posting is None else compile_steps(
+        lower(schedule, posting, overlapped_pairs=True), rank, schedule))
     start = time.perf_counter()
     Executor(schedule, rank, transport, work, recv_shape=(ROWS, WIDTH), dtype=torch.float64,
-             device=torch.device("cpu"), timeout_s=300, program=program).run()
+             device=torch.device("cpu"), timeout_s=300, steps=steps).run()
     return start, time.perf_counter(), work.pairs
 
 

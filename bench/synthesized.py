@@ -133,7 +133,7 @@ def tree(rank: int, world: int, p: int, m: int, reps: int) -> dict:
     import torch.distributed as dist
 
     from bench.emulated_device import DeviceClock, ROWS, WIDTH, device_work_class
-    from megatron_pp_ext.runtime.executor import Executor
+    from megatron_pp_ext.runtime.executor import Executor, steps_for
     from megatron_pp_ext.runtime.transport import TorchDistTransport
     from support.emulated import microbatch_inputs, stage_weights
 
@@ -175,10 +175,12 @@ def tree(rank: int, world: int, p: int, m: int, reps: int) -> dict:
             weights = stage_weights(schedule.num_stages, WIDTH)
             inputs = microbatch_inputs(m, ROWS, WIDTH)
             work = StageTimed(schedule, rank, weights, inputs, built["costs"][chunks])
+            steps = steps_for(schedule, rank, transport, work)  # derived before the clock
             dist.barrier()
             start = time.perf_counter()
             Executor(schedule, rank, transport, work, recv_shape=(ROWS, WIDTH),
-                     dtype=torch.float64, device=torch.device("cpu"), timeout_s=300).run()
+                     dtype=torch.float64, device=torch.device("cpu"), timeout_s=300,
+                     steps=steps).run()
             end = time.perf_counter()
             if round_:
                 times[label].append((start, end))

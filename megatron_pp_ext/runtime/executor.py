@@ -115,6 +115,16 @@ def program_for(schedule: Schedule, transport, work, timers=None,
         variable_shapes=variable_shapes)
 
 
+def steps_for(schedule: Schedule, rank: int, transport, work, timers=None,
+              variable_shapes: bool = False) -> list[tuple]:
+    """``rank``'s compiled steps of ``program_for``'s program: what an executor built without
+    ``program`` or ``steps`` derives, lowering the whole schedule. A caller that runs one
+    schedule step after step derives them once and passes ``steps=`` (the drop-in does:
+    ``RunState``), so no step pays the lowering."""
+    program = program_for(schedule, transport, work, timers, variable_shapes)
+    return compile_steps(program, rank, schedule, timed=timers is not None)
+
+
 class Executor:
     _memory: ActivationMemory | None = None  # set per step by run() (activation bytes)
     _device_probe = None
@@ -135,9 +145,9 @@ class Executor:
         # What this rank runs: the caller's program (the drop-in passes the one it checked),
         # else the one for this transport (``program_for``); ``steps``: already compiled.
         if steps is None:
-            if program is None:
-                program = program_for(schedule, transport, work, timers, variable_shapes)
-            steps = compile_steps(program, rank, schedule, timed=timers is not None)
+            steps = (steps_for(schedule, rank, transport, work, timers, variable_shapes)
+                     if program is None else
+                     compile_steps(program, rank, schedule, timed=timers is not None))
         self.steps = steps
         # Activations are held until a B, or a W, frees them; a forward-only list holds none.
         self.frees_activations = any(a.kind != FORWARD for a in self.actions)
