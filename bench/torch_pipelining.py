@@ -5,8 +5,8 @@ schedule classes on the default (gloo) group, in the same process tree and round
 plugin's and Megatron's schedules (``bench.emulated_device.tree``).
 
 A chunk costs what the plugin's stages cost: t/v forward, t/v for the input-gradient half
-of its backward, t/v for the weight-gradient half. The two halves are two autograd
-Functions (``y = _ActivationPath(x) + _WeightPath(w)``), so torch's own split
+of its backward, t/v for the weight-gradient half. The two halves are two nodes of one
+autograd Function (``y = _Lasting(x, t_i) + _Lasting(w, t_w)``), so torch's own split
 (``stage_backward_input`` / ``stage_backward_weight`` in ``pipelining/_backward.py``) runs
 exactly one of them in each half: its I asks autograd for the input's gradient only (the
 activation path runs, t_I), its W starts again from the sum's node and reaches the weight
@@ -37,35 +37,21 @@ def _device_clock():
     return DeviceClock
 
 
-class _ActivationPath(torch.autograd.Function):
-    """Identity on the activation; its backward (the input gradient's path) lasts t_i."""
+class _Lasting(torch.autograd.Function):
+    """Identity; its backward lasts ``cost``. A chunk has two: on the activation's path (its
+    backward is the input-gradient half, t_i) and on the weight's (the weight-gradient half,
+    t_w)."""
 
     @staticmethod
-    def forward(ctx, x, t_i: float):
-        ctx.t_i = t_i
+    def forward(ctx, x, cost: float):
+        ctx.cost = cost
         return x.clone()
 
     @staticmethod
     def backward(ctx, grad):
         start = time.perf_counter()
         out = grad.clone()
-        _device_clock().wait_until(start + ctx.t_i)
-        return out, None
-
-
-class _WeightPath(torch.autograd.Function):
-    """Identity on the weight; its backward (the weight gradient's path) lasts t_w."""
-
-    @staticmethod
-    def forward(ctx, weight, t_w: float):
-        ctx.t_w = t_w
-        return weight.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        start = time.perf_counter()
-        out = grad.clone()
-        _device_clock().wait_until(start + ctx.t_w)
+        _device_clock().wait_until(start + ctx.cost)
         return out, None
 
 
@@ -84,7 +70,7 @@ class SleepChunk(torch.nn.Module):
             # The data needs no gradient, but a real first stage's layers still backpropagate
             # through their activations: keep the activation path (t_i) in the graph.
             x = x.detach().requires_grad_()
-        y = _ActivationPath.apply(x, self.t_i) + _WeightPath.apply(self.weight, self.t_w)
+        y = _Lasting.apply(x, self.t_i) + _Lasting.apply(self.weight, self.t_w)
         _device_clock().wait_until(start + self.t_f)
         return y
 
