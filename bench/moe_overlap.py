@@ -16,10 +16,11 @@ Four runs of one schedule per round, rotating: the all-to-alls free (``a = 0``: 
 paid alone (no pairs), and paired twice (the executor runs the program's pairs through the
 work's ``overlapped_forward_backward``), once with the pairs posted as DualPipe commits them
 and once in lockstep rounds, a pair taking one (``lowering.COMMIT`` and ``LOCKSTEP``: the two
-postings the drop-in chooses between), side by side. The all-to-all time a run exposes is its step minus the
-floor's; the pairs hide ``(alone - paired) / (alone - floor)`` of what running alone exposes.
-Target (issue 43): at least 70 % at p=4, m=16 (issue 26 asked 80 %), a = 30 % of a layer's compute. Reported, never
-asserted.
+postings the drop-in chooses between), side by side; every run's compiled steps derived once,
+before any clock starts. The all-to-all time a run exposes is its step minus the floor's; the
+pairs hide ``(alone - paired) / (alone - floor)`` of what running alone exposes. Target
+(issue 43): at least 70 % at p=4, m=16 (issue 26 asked 80 %), a = 30 % of a layer's compute.
+Reported, never asserted.
 
 At the first size also torch.pipelining's DualPipeV: its per-rank order, computed by torch's
 own ``ScheduleDualPipeV`` (``bench.synthesized.torch_order``), run on the plugin's executor with
@@ -133,21 +134,32 @@ def work_class(paired: bool):
     return MoEStageWork
 
 
-def _step(schedule, rank, transport, costs: MoECosts, posting: str | None
-          ) -> tuple[float, float, int]:
-    """One step; ``posting``: the pairs' (COMMIT or LOCKSTEP), None for no pairs (the program
-    the executor derives itself)."""
-    from megatron_pp_ext.analysis.lowering import lower
-    from megatron_pp_ext.analysis.program_steps import compile_steps
-    from megatron_pp_ext.runtime.executor import Executor, steps_for
+def _work(schedule, rank, costs: MoECosts, paired: bool):
     from support.emulated import microbatch_inputs, stage_weights
 
-    work = work_class(posting is not None)(schedule, rank, stage_weights(schedule.num_stages, WIDTH),
+    return work_class(paired)(schedule, rank, stage_weights(schedule.num_stages, WIDTH),
                               microbatch_inputs(schedule.num_microbatches, ROWS, WIDTH), costs)
-    # the rank's steps derived before the clock starts, for every run alike (the drop-in
-    # derives them once per schedule)
-    steps = (steps_for(schedule, rank, transport, work) if posting is None else compile_steps(
-        lower(schedule, posting, overlapped_pairs=True), rank, schedule))
+
+
+def _steps(schedule, rank, transport, costs: MoECosts, posting: str | None) -> list[tuple]:
+    """The rank's compiled steps for one run, derived once, before any clock starts (as the
+    drop-in derives them once per schedule): ``posting``, the pairs' (COMMIT or LOCKSTEP), or
+    None for no pairs (the program the executor would derive itself)."""
+    from megatron_pp_ext.analysis.lowering import lower
+    from megatron_pp_ext.analysis.program_steps import compile_steps
+    from megatron_pp_ext.runtime.executor import steps_for
+
+    if posting is None:
+        return steps_for(schedule, rank, transport, _work(schedule, rank, costs, False))
+    return compile_steps(lower(schedule, posting, overlapped_pairs=True), rank, schedule)
+
+
+def _step(schedule, rank, transport, costs: MoECosts, paired: bool, steps: list[tuple]
+          ) -> tuple[float, float, int]:
+    """One step of ``steps`` (``_steps``); its start, its end and the pairs it ran."""
+    from megatron_pp_ext.runtime.executor import Executor
+
+    work = _work(schedule, rank, costs, paired)
     start = time.perf_counter()
     Executor(schedule, rank, transport, work, recv_shape=(ROWS, WIDTH), dtype=torch.float64,
              device=torch.device("cpu"), timeout_s=300, steps=steps).run()
@@ -173,10 +185,13 @@ def tree(rank: int, world: int, m: int, c: float, share: float, layers: int, rep
     else:
         schedule = build_schedule(order, world, m, chunks=2)
     transport = TorchDistTransport(None)
-    runs = {"floor (a = 0)": (MoECosts(c, 0.0, layers), None),
-            "all-to-alls alone": (MoECosts(c, share * c, layers), None),
-            "paired, DualPipe's commit": (MoECosts(c, share * c, layers), COMMIT),
-            "paired, lockstep rounds": (MoECosts(c, share * c, layers), LOCKSTEP)}
+    runs = {label: (costs, posting is not None,
+                    _steps(schedule, rank, transport, costs, posting))
+            for label, costs, posting in (
+                ("floor (a = 0)", MoECosts(c, 0.0, layers), None),
+                ("all-to-alls alone", MoECosts(c, share * c, layers), None),
+                ("paired, DualPipe's commit", MoECosts(c, share * c, layers), COMMIT),
+                ("paired, lockstep rounds", MoECosts(c, share * c, layers), LOCKSTEP))}
     labels = list(runs)
     out = {label: [] for label in labels}
     pairs = {}

@@ -168,6 +168,12 @@ def tree(rank: int, world: int, p: int, m: int, reps: int) -> dict:
 
     labels = list(built["schedules"])
     times = {label: [] for label in labels}
+    steps = {}  # each schedule's compiled steps on this rank, derived once before any clock
+    for label in labels:
+        schedule, chunks = built["schedules"][label]
+        steps[label] = steps_for(schedule, rank, transport, StageTimed(
+            schedule, rank, stage_weights(schedule.num_stages, WIDTH),
+            microbatch_inputs(m, ROWS, WIDTH), built["costs"][chunks]))
     for round_ in range(reps + 1):  # round 0 warms up, not kept
         order = labels[round_ % len(labels):] + labels[:round_ % len(labels)]
         for label in order:
@@ -175,12 +181,11 @@ def tree(rank: int, world: int, p: int, m: int, reps: int) -> dict:
             weights = stage_weights(schedule.num_stages, WIDTH)
             inputs = microbatch_inputs(m, ROWS, WIDTH)
             work = StageTimed(schedule, rank, weights, inputs, built["costs"][chunks])
-            steps = steps_for(schedule, rank, transport, work)  # derived before the clock
             dist.barrier()
             start = time.perf_counter()
             Executor(schedule, rank, transport, work, recv_shape=(ROWS, WIDTH),
                      dtype=torch.float64, device=torch.device("cpu"), timeout_s=300,
-                     steps=steps).run()
+                     steps=steps[label]).run()
             end = time.perf_counter()
             if round_:
                 times[label].append((start, end))

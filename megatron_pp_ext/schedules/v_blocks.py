@@ -324,8 +324,7 @@ def block_orders(p: int, m: int, block: Block) -> list[list[Slot]]:
     for open_ended in (False, True):
         for shared_cap in (False, True):
             squeeze = _Squeeze(p, m, block, hop, open_ended, shared_cap)
-            first, last = squeeze.steady()
-            if open_ended and last != math.inf:
+            if open_ended and squeeze.steady()[1] != math.inf:
                 continue  # a steady phase: one reading of it
             squeeze.with_weights()
             squeeze.without_weights()
