@@ -45,7 +45,7 @@ layers and CUDA streams inside its own code; its interleaved order does not pair
 steady-state B's gradient arrives after the F it would pair with). The CUDA-stream check is
 ``bench/gpu_moe.py`` (part of ``bench/gpu_check.py``).
 
-    .venv/bin/python -m bench.moe_overlap [--sizes 4x16 2x8 2x32] [--share 0.3] [--c-ms 4]
+    .venv/bin/python -m bench.moe_overlap [--sizes 4x16 4x32 2x8 2x32] [--share 0.3] [--c-ms 4]
 """
 
 from __future__ import annotations
@@ -285,7 +285,8 @@ def main(argv=None) -> int:
     from megatron_pp_ext.train.processes import spawn
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", type=_size, nargs="+", default=[(4, 16), (2, 8), (2, 32)],
+    parser.add_argument("--sizes", type=_size, nargs="+",
+                        default=[(4, 16), (4, 32), (2, 8), (2, 32)],
                         help="p x m, e.g. 4x16 (the issue's size first)")
     parser.add_argument("--share", type=float, default=0.3, help="a / c")
     parser.add_argument("--c-ms", type=float, default=4.0, help="a layer's forward compute")
