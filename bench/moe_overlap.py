@@ -28,14 +28,15 @@ pairs hide ``(alone - paired) / (alone - floor)`` of what running alone exposes.
 (issue 43): at least 70 % at p=4, m=16 (issue 26 asked 80 %), a = 30 % of a layer's compute.
 Reported, never asserted.
 
-Next to it, what the order's pairs hide by themselves (``hidden_on_the_device_alone``): the same three
-steps on the device alone, with no host time and every message free (``device_only_step``).
-At p=4, m=16 DualPipeV's own pairs hide 62.9 % there, torch's DualPipeV order 65.7 %; at
-m=32, 80.6 %. 24 of a rank's 32 forwards are paired; what stays exposed (62.4 ms of 168) is
-the fill and the drain: microbatch 0's forwards and microbatch 15's input gradients cross
-every stage with nothing to pair with (33.6 ms of it, an action at a time), the other unpaired
-warm-up forwards and cool-down backwards the rest. The runs read a few points above it: a pair also
-spends one action's host time (the executor's, gloo's) where the unpaired runs spend two.
+Next to it, what the order's pairs hide by themselves (``hidden_on_the_device_alone``): the
+same three steps on the device alone, with no host time and every message free
+(``device_only_step``). At p=4, m=16 DualPipeV's own pairs hide 62.9 % there, torch's DualPipeV
+order 65.7 %; at m=32, 80.6 %. 24 of a rank's 32 forwards are paired; what stays exposed (62.4
+ms of 168) is the fill and the drain: microbatch 0's forwards and microbatch 15's input
+gradients cross every stage with nothing to pair with (33.6 ms of it, an action at a time), the
+other unpaired warm-up forwards and cool-down backwards the rest. The runs read a few points
+above it: a pair also spends one action's host time (the executor's, gloo's) where the unpaired
+runs spend two.
 
 At the first size also torch.pipelining's DualPipeV: its per-rank order, computed by torch's
 own ``ScheduleDualPipeV`` (``bench.synthesized.torch_order``), run on the plugin's executor with
@@ -103,7 +104,7 @@ def pair_layer_span(costs: MoECosts, b_kind: str) -> float:
 
 
 def work_class(paired: bool):
-    from bench.emulated_device import device_work_class
+    from bench.emulated_device import DeviceClock, device_work_class
     from support.emulated import EmulatedStageWork
 
     class MoEStageWork(device_work_class()):
@@ -115,8 +116,6 @@ def work_class(paired: bool):
             self.pairs = 0
 
         def _pair(self, f_action, f_input, b_action, b_grad):
-            from bench.emulated_device import DeviceClock
-
             self.pairs += 1
             start = time.perf_counter()
             out = EmulatedStageWork.forward(self, f_action, f_input)
@@ -228,7 +227,8 @@ def device_only_step(schedule, costs: MoECosts, paired: list[frozenset[int]]) ->
     return max(free)
 
 
-def hidden_on_the_device_alone(order: str, p: int, m: int, c: float, share: float, layers: int) -> float:
+def hidden_on_the_device_alone(order: str, p: int, m: int, c: float, share: float,
+                               layers: int) -> float:
     """The share of the all-to-alls the order's pairs hide on the device alone
     (``device_only_step``, the pairs of DualPipe's commit)."""
     from megatron_pp_ext.analysis.lowering import COMMIT
