@@ -293,10 +293,10 @@ write_conf() {  # write_conf N
   # * MessageTimeout 5 s (default 10 s): a request to the lost node gives up after 6 s
   #   (connects of TCPTimeout, 2 s, for MessageTimeout s) and holds the next round off until
   #   then; at 10 s that took 12 s and the node was declared down 29-47 s after the cut.
-  #   At 3 s (two connects: 4 s) it was 24.5-25.7 s (3 trials, 2026-12-05): a round then lasts
-  #   6 s, not 5 (its ping gives up after 4 s, and the energy request that slurmctld's loop
-  #   starts first holds the next ping one more 1 s turn), which saves ~1 s of the expected
-  #   SlurmdTimeout + a part round + a round: within the spread, so 5 s stays.
+  #   At 3 s (two connects: 4 s) a round lasts 6 s, not 8 (each round: the ping's connects,
+  #   then one 1 s turn, then one more, in which the energy request that slurmctld's loop
+  #   starts first holds the ping), yet the node was declared down 24.5-25.7 s after the cut
+  #   (3 trials, 2026-12-05): within the spread at 5 s, so 5 s stays.
   # So the lost node is declared down at least 20 - 3 - 1 (whole seconds) = 16 s after its link
   # goes, and in practice 24-26 s (the energy request, then two ping rounds, each 8 s to give
   # up on it; idle, and with 4 busy loops beside).
