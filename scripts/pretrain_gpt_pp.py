@@ -58,10 +58,7 @@ def main():
     from megatron.training import inprocess_restart, pretrain, set_startup_timestamps
 
     from megatron_pp_ext import megatron_compat
-    from megatron_pp_ext.integration.megatron_args import (
-        adapt_pretrain_gpt_for_v_layout,
-        uses_v_layout,
-    )
+    from megatron_pp_ext.integration.megatron_args import adapt_pretrain_gpt_for_args
     from megatron_pp_ext.integration.pretrain_entry import run_pretrain
 
     megatron_compat.check_supported()
@@ -76,10 +73,9 @@ def main():
     def on_args(args):  # after the schedule is installed, before the model is built
         if modelopt and hasattr(gpt, "maybe_enable_modelopt"):  # 0.19+
             gpt.maybe_enable_modelopt(args)
-        # zb-v / dualpipev: get_batch / the dataset provider asked which chunks read data in
-        # the V layout
-        if uses_v_layout(args):
-            adapt_pretrain_gpt_for_v_layout(gpt)
+        # the V layout and dualpipe: get_batch / the dataset provider asked which ranks hold
+        # the model's entries and exits (integration/script_batches.py)
+        adapt_pretrain_gpt_for_args(gpt, args)
 
     def model_config(args):  # 0.19+: the GPT config pretrain() builds the model from
         if modelopt and getattr(args, "modelopt_enabled", False):

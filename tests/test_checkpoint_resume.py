@@ -49,7 +49,7 @@ def _argv(schedule, extra=()):
 @pytest.fixture(scope="module")
 def uninterrupted():
     """Megatron's own 1F1B, 5 iterations, no checkpoint."""
-    return merge_history(run_pretrain_shared(4, _argv(None), TIMEOUT, global_init=False))
+    return merge_history(run_pretrain_shared(4, _argv(None), TIMEOUT))
 
 
 def _steps(results):
@@ -74,7 +74,7 @@ def test_a_killed_run_resumes_bit_identical(tmp_path, uninterrupted, schedule, e
     with pytest.raises(SpawnError, match="died with exit code -9"):
         spawn(4, run_pretrain, _argv(schedule, [*extra, "--save", str(checkpoints),
                                                 "--save-interval", str(SAVE_INTERVAL)]),
-              global_init=False, kill_at_iteration=KILLED_AT, record_to=str(records),
+              kill_at_iteration=KILLED_AT, record_to=str(records),
               timeout_s=TIMEOUT)
     # the checkpoint at 2 is complete; the first rank to die had run step 2 (lost with it)
     assert (checkpoints / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
@@ -84,7 +84,7 @@ def test_a_killed_run_resumes_bit_identical(tmp_path, uninterrupted, schedule, e
     assert any(k["iteration"] == [0, 1, 2] for k in killed), [k["iteration"] for k in killed]
 
     resumed = spawn(4, run_pretrain, _argv(schedule, [*extra, "--load", str(checkpoints)]),
-                    global_init=False, timeout_s=TIMEOUT)
+                    timeout_s=TIMEOUT)
     steps = _steps(resumed)
     assert sorted(steps) == [2, 3, 4]
     reference = {i: (uninterrupted["lm loss"][i], uninterrupted["grad_norm"][i])
@@ -106,7 +106,7 @@ def _killed_after_checkpoint(argv, checkpoints, tmp_path):
     with pytest.raises(SpawnError, match="died with exit code -9"):
         spawn(4, run_pretrain, [*argv, "--save", str(checkpoints),
                                 "--save-interval", str(SAVE_INTERVAL)],
-              global_init=False, kill_at_iteration=KILLED_AT, record_to=str(records),
+              kill_at_iteration=KILLED_AT, record_to=str(records),
               timeout_s=TIMEOUT)
     assert (checkpoints / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
 
@@ -120,7 +120,7 @@ def test_dualpipe_checkpoints_one_copy_and_resumes_bit_identical(tmp_path, unint
     checkpoints = tmp_path / "ck"
     _killed_after_checkpoint(_dualpipe_argv(), checkpoints, tmp_path)
     resumed = spawn(4, run_pretrain, _dualpipe_argv(["--load", str(checkpoints)]),
-                    global_init=False, timeout_s=TIMEOUT)
+                    timeout_s=TIMEOUT)
     steps = _steps(resumed)
     assert steps == {i: (uninterrupted["lm loss"][i], uninterrupted["grad_norm"][i])
                      for i in (2, 3, 4)}
@@ -140,6 +140,6 @@ def test_a_dualpipe_checkpoint_loads_into_megatrons_1f1b(tmp_path):
         runs[name] = _steps(spawn(4, run_pretrain, _argv(None, ["--load",
                                                                 str(checkpoints / "ck"),
                                                                 "--no-load-optim"]),
-                                  global_init=False, timeout_s=TIMEOUT))
+                                  timeout_s=TIMEOUT))
     assert sorted(runs["dualpipe"]) == [2, 3, 4]
     assert runs["dualpipe"] == runs["1f1b"]

@@ -56,7 +56,7 @@ def _pretrain(schedule=None, vp=None, overlap=False):
     if key not in _RUNS:
         argv = pretrain_argv(pp=2, dp=2, schedule=schedule, vp=vp, iters=ITERS,
                              num_microbatches=M, extra=MOE + ([OVERLAP] if overlap else []))
-        _RUNS[key] = spawn(4, run_pretrain, argv, global_init=False, timeout_s=TIMEOUT)
+        _RUNS[key] = spawn(4, run_pretrain, argv, timeout_s=TIMEOUT)
     return _RUNS[key]
 
 
@@ -121,7 +121,7 @@ def test_replicas_with_different_schedules_are_refused_before_any_p2p():
     argvs = [pretrain_argv(pp=2, dp=2, schedule=schedule, iters=1, num_microbatches=M,
                            extra=MOE) for schedule in ("1f1b", "gpipe", "1f1b", "gpipe")]
     with pytest.raises(SpawnError) as failed:
-        spawn(4, run_pretrain_of_rank, argvs, global_init=False, timeout_s=TIMEOUT)
+        spawn(4, run_pretrain_of_rank, argvs, timeout_s=TIMEOUT)
     text = str(failed.value)
     assert "ranks [" in text and "failed too" in text  # every rank, not one
     # stage 0 (ranks 0, 1): 1F1B's warm-up is 1 forward, then 0B0 where GPipe runs 0F2: the
@@ -219,7 +219,7 @@ def _deepseek(schedule=None):
         [OVERLAP] if schedule else [])
     argv = pretrain_argv(pp=2, dp=2, schedule=schedule, iters=ITERS, num_microbatches=M,
                          extra=extra)
-    return spawn(4, run_pretrain, argv, global_init=False, timeout_s=TIMEOUT)
+    return spawn(4, run_pretrain, argv, timeout_s=TIMEOUT)
 
 
 def test_a_deepseek_v3_shaped_model_trains_under_the_v_schedules_as_megatrons_1f1b():
@@ -250,10 +250,10 @@ def test_a_deepseek_v3_shaped_model_trains_under_dualpipe_as_megatrons_1f1b():
     copy on rank 0). The same losses as Megatron's 1F1B (the MTP loss summed over both loss
     ranks, in another order: fp32), 2 F&B pairs per step on each rank, copies equal."""
     argv = pretrain_argv(pp=2, dp=2, iters=ITERS, num_microbatches=M, extra=DEEPSEEK)
-    ref = merge_history(spawn(4, run_pretrain, argv, global_init=False, timeout_s=TIMEOUT))
+    ref = merge_history(spawn(4, run_pretrain, argv, timeout_s=TIMEOUT))
     argv = pretrain_argv(pp=2, dp=2, schedule="dualpipe", vp=2, iters=ITERS,
                          num_microbatches=M, extra=DEEPSEEK + [OVERLAP])
-    ranks = spawn(4, run_pretrain, argv, global_init=False, timeout_s=TIMEOUT)
+    ranks = spawn(4, run_pretrain, argv, timeout_s=TIMEOUT)
     out = merge_history(ranks)
     assert out["schedule"] == "ScheduleFunction('dualpipe')"
     assert out["lm loss"] == pytest.approx(ref["lm loss"], rel=1e-6)

@@ -64,7 +64,7 @@ def _pretrain(schedule=None, vp=None, overlap=True, tied=False, extra=()):
             argv.remove(OVERLAP)
         if tied:
             argv.remove(UNTIE)
-        _RUNS[key] = merge_history(run_pretrain_shared(4, argv, TIMEOUT, global_init=False))
+        _RUNS[key] = merge_history(run_pretrain_shared(4, argv, TIMEOUT))
     return _RUNS[key]
 
 
@@ -337,7 +337,7 @@ def _pretrain_mtp(depth, schedule=None, vp=None):
     if key not in _RUNS:
         argv = pretrain_argv(pp=2, dp=1, schedule=schedule, vp=vp, iters=ITERS,
                              extra=[*ROPE, "--mtp-num-layers", str(depth), "--clip-grad", "0"])
-        _RUNS[key] = merge_history(run_pretrain_shared(2, argv, TIMEOUT, global_init=False))
+        _RUNS[key] = merge_history(run_pretrain_shared(2, argv, TIMEOUT))
     return _RUNS[key]
 
 

@@ -530,10 +530,10 @@ def test_megatron_loop_zb_v_across_two_nodes_killed_and_resumed(tmp_path):
     assert placed == [("0", nodes[0]), ("1", nodes[0]), ("2", nodes[1]), ("3", nodes[1])], text
     assert (checkpoints / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
 
-    one_node = merge_history(run_pretrain_shared(4, argv, 300, global_init=False))
+    one_node = merge_history(run_pretrain_shared(4, argv, 300))
     assert one_node["schedule"] == "ScheduleFunction('zb-v')"
     resumed = merge_history(spawn(4, run_pretrain, argv + ["--load", str(checkpoints)],
-                                  global_init=False, timeout_s=300))
+                                  timeout_s=300))
     assert resumed["iteration"] == [2, 3, 4] and resumed["schedule"] == one_node["schedule"]
     assert resumed["lm loss"] == one_node["lm loss"][2:]
     assert resumed["grad_norm"] == one_node["grad_norm"][2:]
@@ -551,6 +551,6 @@ def test_megatron_loop_zb_v_across_two_nodes_killed_and_resumed(tmp_path):
     # another layout with "Global shape mismatch"; docs/megatron-lm.md.)
     loop = merge_history(spawn(4, run_pretrain, pretrain_argv(
         pp=2, dp=2, iters=3, extra=["--load", str(checkpoints), "--no-load-optim"]),
-        global_init=False, timeout_s=300))
+        timeout_s=300))
     assert loop["iteration"] == [2] and loop["lm loss"] == one_node["lm loss"][2:3]
     assert loop["grad_norm"][0] == pytest.approx(one_node["grad_norm"][2], rel=1e-6)

@@ -54,6 +54,7 @@ from ..schedules import (AUTO, AUTO_LAYOUT, DUAL_LAYOUT, REGISTRY, SHAPING_OPTIO
                          is_schedule_file, load_schedule_file, resolve_schedule,
                          schedule_layout, schedule_names, takes_option)
 from .dual_layout_models import check_dual_args
+from .microbatch_counts import step_counts
 from .model_chunks import model_chunks as _model_chunks
 from .options import ENV_SCHEDULE, PipelineOptions
 from .stage_layers import STAGE_SPLIT_FLAGS, stage_layers, stage_split_flags, v_split_layout
@@ -247,35 +248,22 @@ def _refuse_mtp_off_the_last_stage(name: str, args: Any, pp: int) -> None:
             "before 'L', or use a loop schedule")
 
 
-def _batch_of(args: Any) -> tuple[int, int, int, int] | None:
-    """(microbatches per step, --global-batch-size, --micro-batch-size, data-parallel size),
-    or None when the count is not fixed (not validated yet, or a batch-size ramp-up)."""
-    batch = [getattr(args, key, None) for key in
-             ("global_batch_size", "micro_batch_size", "data_parallel_size")]
-    if not all(isinstance(x, int) and x > 0 for x in batch) or getattr(
-            args, "rampup_batch_size", None):
-        return None
-    global_batch, micro_batch, dp = batch
-    return global_batch // (micro_batch * dp), global_batch, micro_batch, dp
-
-
 def _refuse_unfit_microbatches(name: str, args: Any, chunks: int, options: dict) -> None:
-    """Build the schedule for the run's pipeline size and microbatch count now, as Megatron
-    checks its own schedule's rules at argument time, so a schedule that cannot run stops here
-    and not at the first step. Skipped when the count is not fixed (batch-size ramp-up)."""
-    batch = _batch_of(args)
-    if batch is None:
-        return
-
-    m, global_batch, micro_batch, dp = batch
+    """Build the schedule for the run's pipeline size and every microbatch count its steps
+    will run (a batch-size schedule's each, an evaluation's: ``microbatch_counts``) now, as
+    Megatron checks its own schedule's rules at argument time, so a schedule that cannot run
+    stops here and not at the first step."""
     pp = getattr(args, "pipeline_model_parallel_size", 1) or 1
-    try:
-        build_schedule(name, pp, m, chunks=chunks, validate=False, **options)
-    except ScheduleError as exc:
-        raise ValueError(
-            f"--pipeline-schedule {name} cannot run {m} microbatches per step at "
-            f"--pipeline-model-parallel-size {pp} (--global-batch-size {global_batch} / "
-            f"(--micro-batch-size {micro_batch} x data-parallel size {dp})): {exc}") from None
+    for count in step_counts(args) or ():
+        m = count.num_microbatches
+        try:
+            build_schedule(name, pp, m, chunks=chunks, validate=False,
+                           forward_only=count.forward_only, **options)
+        except ScheduleError as exc:
+            step = "evaluation step" if count.forward_only else "step"
+            raise ValueError(
+                f"--pipeline-schedule {name} cannot run {m} microbatches per {step} at "
+                f"--pipeline-model-parallel-size {pp} ({count.source}): {exc}") from None
 
 
 def _refuse_plugin_flags_without_schedule(args: Any) -> None:
@@ -463,16 +451,13 @@ def _file_options_from_args(path: str, args: Any) -> dict:
         raise ValueError(
             f"--pipeline-schedule {path} places {v} stage(s) on each rank but Megatron builds "
             f"{built} model chunk(s) per rank: {how}")
-    batch = _batch_of(args)
-    if batch is not None:
-        steps_m, global_batch, micro_batch, dp = batch
-        if steps_m != m:
+    for count in step_counts(args) or ():
+        if count.num_microbatches != m:
             raise ValueError(
-                f"--pipeline-schedule {path} schedules m={m} microbatches, but "
-                f"--global-batch-size {global_batch} / (--micro-batch-size {micro_batch} x "
-                f"data-parallel size {dp}) is {steps_m} microbatches per step: set "
-                f"--global-batch-size {m * micro_batch * dp}, or write the schedule for "
-                f"m={steps_m}")
+                f"--pipeline-schedule {path} schedules m={m} microbatches, but {count.source} "
+                f"is {count.num_microbatches} microbatches per "
+                f"{'evaluation step' if count.forward_only else 'step'}: {count.fix(m)}, "
+                f"or write the schedule for m={count.num_microbatches}")
     return _with_post_validation(
         dict(schedule=path, chunks=asked, p2p_timeout_s=getattr(args, "pp_p2p_timeout_s", None),
              trace=bool(getattr(args, "pp_trace", False))), args)
@@ -514,20 +499,23 @@ def chain_args_providers(*providers):
 # layout_providers; the names stay importable from here, where scripts/pretrain_gpt_pp.py and
 # users' training scripts find them.
 from .layout_providers import model_provider_for_args, pretrain_model_for_args  # noqa: E402
-from .v_layout_models import (  # noqa: E402
+from .script_batches import (  # noqa: E402
+    adapt_pretrain_gpt_for_args,
     adapt_pretrain_gpt_for_v_layout,
+    v_layout_reads_batch as v_layout_is_first_or_last_stage,
+)
+from .v_layout_models import (  # noqa: E402
     model_provider_from_config,
     sum_tied_embedding_grads,
     uses_v_layout,
     v_chunk_stage,
-    v_layout_is_first_or_last_stage,
     v_layout_model_provider,
 )
 
 __all__ = [
     "add_pipeline_schedule_args", "install_from_args", "schedule_options_from_args",
     "chain_args_providers", "schedule_choices", "resolve_schedule_value",
-    "adapt_pretrain_gpt_for_v_layout", "model_provider_for_args", "model_provider_from_config",
+    "adapt_pretrain_gpt_for_args", "adapt_pretrain_gpt_for_v_layout", "model_provider_for_args", "model_provider_from_config",
     "pretrain_model_for_args", "sum_tied_embedding_grads", "uses_v_layout", "v_chunk_stage",
     "v_layout_is_first_or_last_stage", "v_layout_model_provider",
 ]

@@ -453,35 +453,3 @@ def model_provider_from_config(model_config):
                                    post_process=post_process, vp_stage=vp_stage)
 
     return provider
-
-
-def adapt_pretrain_gpt_for_v_layout(pretrain_gpt_module) -> None:
-    """Make Megatron-LM's ``pretrain_gpt.py`` (imported as a module) feed V-layout chunks. Its
-    ``get_batch`` and ``is_dataset_built_on_rank`` choose the chunks that read data by Megatron's
-    placement (first stage: pipeline rank 0, last stage: rank p-1), and the batch helper drops
-    the labels and the loss mask on the first pipeline rank. In the V layout rank 0 holds both
-    the first and the last stage, so: only rank 0 reads data, and it keeps every tensor (the
-    batch helper treats it as a whole pipeline)."""
-    pretrain_gpt_module.is_first_or_last_pipeline_stage = v_layout_is_first_or_last_stage
-    original = pretrain_gpt_module.get_batch_on_this_tp_rank
-    if getattr(original, "v_layout", False):
-        return
-
-    whole = megatron_compat.whole_batch_kwargs(original)  # rank 0 needs tokens *and* labels
-
-    @functools.wraps(original)
-    def get_batch_on_this_tp_rank(batch, *args, **kwargs):
-        return original(batch, *args, **{**kwargs, **whole})
-
-    get_batch_on_this_tp_rank.v_layout = True
-    pretrain_gpt_module.get_batch_on_this_tp_rank = get_batch_on_this_tp_rank
-
-
-def v_layout_is_first_or_last_stage(vp_stage=None) -> bool:
-    """``megatron.training.utils.is_first_or_last_pipeline_stage`` for the V layout: the first
-    stage (chunk 0) and the last (chunk 1) are both on pipeline rank 0, so only rank 0 reads
-    tokens and labels. ``pretrain_gpt.py``'s ``get_batch`` and ``is_dataset_built_on_rank``
-    ask it which chunks need data."""
-    from megatron.core import parallel_state
-
-    return parallel_state.get_pipeline_model_parallel_rank() == 0

@@ -5,6 +5,10 @@ inherited by the forked ranks. Nothing here changes what a run computes.
 - The modules a rank imports after the fork (Megatron's loop, its dataset builder and
   tokenizer, the plugin's argument handling; the drop-in and the MIMO model come with
   ``train.processes._PRELOAD``): ~0.6 s of CPU per rank otherwise.
+- Megatron-LM's own ``pretrain_gpt.py`` of this release (``support.megatron_lm_scripts``), which
+  every loop run imports, with what it imports (~0.15 s of CPU per rank otherwise). Where the
+  script is not found, nothing is imported here: the run that needs it fails, saying where it
+  looked.
 - Megatron-LM's argument parser reads each config dataclass's field docstrings for the help
   text by parsing the class's source (``ArgumentGroupFactory._get_field_docstrings``:
   ``inspect.getsource`` + ``ast.parse``, ~0.25 s of CPU per ``parse_args``, and a loop run
@@ -30,6 +34,13 @@ for _module in ("megatron.core.datasets.blended_megatron_dataset_builder",
                 "megatron.core.tokenizers.text.models",
                 "megatron_pp_ext.integration.megatron_args"):
     importlib.import_module(_module)
+try:
+    from support.megatron_lm_scripts import put_scripts_on_path
+
+    put_scripts_on_path()
+    importlib.import_module("pretrain_gpt")
+except FileNotFoundError:
+    pass
 
 _read_docstrings = argument_utils.ArgumentGroupFactory._get_field_docstrings
 _docstrings: dict[type, dict[str, str]] = {}

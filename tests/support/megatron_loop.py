@@ -1,5 +1,6 @@
-"""Megatron-LM's real training loop (``megatron.training.pretrain`` from the megatron-core wheel)
-on the CPU with gloo, as a :func:`megatron_pp_ext.train.processes.spawn` target.
+"""Megatron-LM's own ``pretrain_gpt.py``, the script users launch, through
+``scripts/pretrain_gpt_pp.py`` on the CPU with gloo, as a
+:func:`megatron_pp_ext.train.processes.spawn` target.
 
     from megatron_pp_ext.train.processes import spawn
     from support.megatron_loop import pretrain_argv, run_pretrain, merge_history
@@ -8,24 +9,21 @@ on the CPU with gloo, as a :func:`megatron_pp_ext.train.processes.spawn` target.
     history = merge_history(spawn(4, run_pretrain, argv, timeout_s=300))
     # history["lm loss"], history["grad_norm"]: one float per iteration
 
-Each rank parses ``argv`` exactly as Megatron-LM's ``pretrain_gpt.py`` (with the plugin's
-argument group, as ``scripts/pretrain_gpt_pp.py`` adds it), installs the schedule named by
-``--pipeline-schedule`` (none: Megatron's own schedule), and calls ``pretrain()`` with our GPT
-model provider and a ``MockGPTDataset`` provider. ``train_step`` (Megatron's, or the plugin's
-with ``--pp-run-ahead``) is wrapped only to *record* what it returns (the reduced losses and
-the grad norm); everything else is Megatron's.
+Each rank runs ``scripts/pretrain_gpt_pp.py`` with ``argv`` over the release's own
+``pretrain_gpt.py``, ``model_provider.py`` and ``gpt_builders.py`` (NVIDIA's files, unchanged,
+in the shared folder: ``support.megatron_lm_scripts``): the script parses the arguments with
+the plugin's group, installs the schedule named by ``--pipeline-schedule`` (none: Megatron's
+own schedule) and calls ``pretrain()`` with the script's model, its mock dataset provider, its
+``forward_step`` and ``get_batch``. ``train_step`` and ``evaluate`` (Megatron's, or the plugin's
+with ``--pp-run-ahead``) are wrapped only to *record* what they return (the reduced losses and
+the grad norm); everything else is the script's and Megatron's.
 
-The model is Megatron's own GPT (``gpt_config_from_args(args)`` and its builder, the spec
-``pretrain_gpt.py`` trains), handed to ``pretrain()`` through
-``megatron_args.pretrain_model_for_args`` exactly as ``scripts/pretrain_gpt_pp.py`` does: with
-``--pipeline-schedule zb-v`` or ``dualpipev`` it builds chunk c of rank r as stage ``r``
-(c = 0) or ``2p-1-r`` (c = 1). :func:`with_global_init` then fills every parameter from its
-*global* name (``tiny_gpt.init_weights``), so Megatron's 1F1B, its interleaved schedule and the
-V layout all start from the same weights and can be compared.
+The weights are Megatron's own initialisation: the V and dualpipe providers start every
+parameter as Megatron's 1F1B does, so those layouts compare with it from the first step.
 
 CPU patches (``apply_cpu_patches``): each one is here, in the tests' support code, because
-Megatron-LM's loop assumes CUDA there; the plugin's runtime needs none of them. Each entry of
-``_PATCHES`` says why.
+Megatron-LM's loop assumes CUDA there (or, for the mock corpus's document length, to keep the
+tests fast); the plugin's runtime needs none of them. Each entry of ``_patch_table`` says why.
 """
 
 from __future__ import annotations
@@ -35,7 +33,6 @@ import json
 import os
 import queue as queue_mod
 import signal
-import sys
 import time
 from typing import Any, Optional, Sequence
 
@@ -50,9 +47,6 @@ __all__ = [
     "assert_dualpipe_copies_equal",
     "assert_v_trains_as",
     "apply_cpu_patches",
-    "with_global_init",
-    "train_valid_test_datasets_provider",
-    "forward_step",
 ]
 
 # Tiny GPT: 8 layers divide into pp=2 x vp=2 stages (loop and V); vocabulary and sequence tiny.
@@ -62,8 +56,11 @@ HEADS = 4
 VOCAB = 128
 SEQ = 16
 SEED = 1234
-#: environment variable naming the folder for the mock dataset's index cache (conftest.py sets it)
+#: environment variable naming the folder for the mock dataset's index cache (conftest.py sets it):
+#: run_pretrain passes it as Megatron's --data-cache-path
 MOCK_CACHE_ENV = "MEGATRON_PP_TEST_MOCK_CACHE"
+#: the longest document of the tests' mock corpus (Megatron's: 4096 tokens; _patch_table)
+MOCK_MAX_DOCUMENT_TOKENS = 64
 
 
 def pretrain_argv(
@@ -135,6 +132,8 @@ def _cuda_named_type(self, dtype=None, non_blocking=False, **kwargs):
 def _patch_table() -> list[tuple[Any, str, Any, str]]:
     """(owner, attribute, replacement, why): the CPU patches Megatron-LM's loop needs."""
     from megatron.core.datasets import utils as dataset_utils
+    from megatron.core.datasets.gpt_dataset import MockGPTLowLevelDataset
+    from megatron.core.transformer import utils as transformer_utils
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
     from megatron.training import initialize, training
 
@@ -173,9 +172,17 @@ def _patch_table() -> list[tuple[Any, str, Any, str]]:
         (token_dispatcher, "maybe_move_tensor_to_cpu", _host_copy,
          "the MoE alltoall dispatcher turns its split sizes into host (numpy) arrays only for "
          "CUDA tensors; on the CPU they stay tensors, which all_to_all_single refuses"),
+        (transformer_utils, "torch", _CpuTorchProxy(),
+         "get_default_causal_mask (a chunk given no attention mask: pretrain_gpt.py's get_batch "
+         "reads none on a middle stage) makes it with torch.ones(..., device='cuda')"),
         (moe_utils, "torch", _CpuTorchProxy(),
          "0.17's track_moe_metrics (training_log) makes the tracker of a rank without MoE "
          "layers with torch.zeros(..., device='cuda')"),
+        (MockGPTLowLevelDataset, "max_sequence_length", MOCK_MAX_DOCUMENT_TOKENS,
+         "not for the CPU, for time: pretrain_gpt.py's --mock-data corpus has documents of up "
+         "to 4096 tokens, 12.7M samples of 16 tokens, and every new run configuration builds a "
+         "shuffle index over all of them (~1.9 s of CPU on rank 0) to read the few hundred a "
+         "test trains on; the same code reads documents of at most 64"),
         *_checkpoint_patches(),
     ]
 
@@ -280,227 +287,63 @@ def apply_cpu_patches() -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# Providers: model, data, forward step
-# --------------------------------------------------------------------------------------------
-
-
-#: {stage: (parameter count, decoder layer numbers)} of the chunks this process built
-STAGES_BUILT: dict[int, tuple[int, list[int]]] = {}
-
-
-def with_global_init(provider, fill: bool = True):
-    """Record each chunk ``provider`` builds (its stage: the V wrapper's annotation, else
-    Megatron's loop placement, chunk c of rank r is stage c*p + r; its parameter count and
-    layer numbers, in ``STAGES_BUILT``) and, with ``fill``, fill every parameter from its
-    global name (``tiny_gpt.init_weights``). ``fill=False`` keeps Megatron's initialisation
-    (or the V providers' own, ``v_layout_models``)."""
-    from megatron_pp_ext.models import tiny_gpt
-
-    @functools.wraps(provider)
-    def build(*args, **kwargs):
-        from megatron.core import parallel_state
-        from megatron.training import get_args
-
-        model = provider(*args, **kwargs)
-        margs = get_args()
-        p = parallel_state.get_pipeline_model_parallel_world_size()
-        if getattr(model, "pipeline_stage", None) is None:
-            vp_stage = kwargs.get("vp_stage") or 0
-            model.pipeline_stage = vp_stage * p + parallel_state.get_pipeline_model_parallel_rank()
-            model.pipeline_num_stages = p * (margs.virtual_pipeline_model_parallel_size or 1)
-        layers = getattr(getattr(model, "decoder", None), "layers", [])
-        STAGES_BUILT[model.pipeline_stage] = (
-            sum(param.numel() for param in model.parameters()),
-            [int(layer.layer_number) for layer in layers])
-        if not fill:
-            return model
-        cfg = tiny_gpt.TinyGPTConfig(
-            num_layers=margs.num_layers, hidden_size=margs.hidden_size,
-            num_attention_heads=margs.num_attention_heads, vocab_size=margs.padded_vocab_size,
-            seq_length=margs.seq_length, seed=SEED)
-        tiny_gpt.init_weights(model, cfg)
-        return model
-
-    return build
-
-
-#: the longest document of the tests' mock corpus (Megatron's: 4096 tokens)
-MOCK_MAX_DOCUMENT_TOKENS = 64
-
-
-@functools.cache
-def _short_document_mock_dataset():
-    """Megatron's MockGPTDataset over 100000 documents of at most
-    ``MOCK_MAX_DOCUMENT_TOKENS`` tokens. Megatron's own corpus (up to 4096 tokens a document)
-    holds 12.7M samples of 16 tokens, and every new run configuration builds a shuffle index
-    over all of them (~1.9 s of CPU on rank 0, measured with py-spy) to read the few hundred
-    samples a test trains on. Every test run and its
-    reference use this one, in every process (forked, spawned, under SLURM)."""
-    from megatron.core.datasets.gpt_dataset import MockGPTDataset, MockGPTLowLevelDataset
-
-    class ShortDocumentMockGPTLowLevelDataset(MockGPTLowLevelDataset):
-        max_sequence_length = MOCK_MAX_DOCUMENT_TOKENS
-
-    class ShortDocumentMockGPTDataset(MockGPTDataset):
-        @staticmethod
-        def build_low_level_dataset(dataset_path, config):
-            return ShortDocumentMockGPTLowLevelDataset(config.tokenizer)
-
-    return ShortDocumentMockGPTDataset
-
-
-def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None):
-    """Megatron's MockGPTDataset (with short documents: ``_short_document_mock_dataset``)
-    through BlendedMegatronDatasetBuilder, as pretrain_gpt.py builds it with --mock-data; built
-    on every rank and chunk (each chunk reads its own copy of every microbatch, whatever stage
-    it holds)."""
-    from megatron.core.datasets.blended_megatron_dataset_builder import (
-        BlendedMegatronDatasetBuilder,
-    )
-    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
-    from megatron.training import get_args, get_tokenizer
-
-    args = get_args()
-    config = GPTDatasetConfig(
-        random_seed=args.seed,
-        sequence_length=args.seq_length,
-        blend=None,
-        split="99,1,0",
-        tokenizer=get_tokenizer(),
-        reset_position_ids=False,
-        reset_attention_mask=False,
-        eod_mask_loss=False,
-        create_attention_mask=True,
-        mid_level_dataset_surplus=0.005,
-        # Megatron's --data-cache-path: rank 0 saves the mock corpus's indices, the others and
-        # later runs of the same configuration load them. None (outside the tests): no cache.
-        path_to_cache=os.environ.get(MOCK_CACHE_ENV),
-    )
-    return BlendedMegatronDatasetBuilder(
-        _short_document_mock_dataset(), train_val_test_num_samples, lambda: True, config
-    ).build()
-
-
-train_valid_test_datasets_provider.is_distributed = True
-
-
-def _loss_func(loss_mask, output_tensor):
-    """pretrain_gpt.py's loss contract: (summed loss, tokens, {'lm loss': [sum, tokens]})."""
-    from megatron_pp_ext.models import tiny_gpt
-
-    return tiny_gpt.loss_func_per_token(loss_mask, output_tensor)
-
-
-def forward_step(data_iterator, model, return_schedule_plan: bool = False):
-    """One microbatch: every chunk reads it (tokens, labels, mask, position ids). With
-    ``return_schedule_plan`` (Megatron's combined 1F1B, --overlap-moe-expert-parallel-comm),
-    the model's per-layer schedule plan instead of its output, as pretrain_gpt.py does."""
-    batch = next(data_iterator)
-    inputs = (batch["tokens"], batch["position_ids"], batch["attention_mask"])
-    loss = functools.partial(_loss_func, batch["loss_mask"])
-    if return_schedule_plan:
-        return model.build_schedule_plan(*inputs, labels=batch["labels"],
-                                         loss_mask=batch["loss_mask"]), loss
-    return model(*inputs, labels=batch["labels"], loss_mask=batch["loss_mask"]), loss
-
-
-# --------------------------------------------------------------------------------------------
 # The spawn target
 # --------------------------------------------------------------------------------------------
 
 
 def run_pretrain(rank: int, world_size: int, argv: Sequence[str],
-                 global_init: bool = True, kill_at_iteration: Optional[int] = None,
+                 kill_at_iteration: Optional[int] = None,
                  record_to: Optional[str] = None) -> dict[str, Any]:
-    """Run ``pretrain()`` with ``argv`` on this rank; return what ``train_step`` returned each
-    iteration: {'lm loss': [...], 'grad_norm': [...], 'skipped': [...], 'iteration': [...]}
-    ('lm loss' only on the last pipeline rank; 'iteration': Megatron's count of the steps done
-    before each, so a resumed run's first is the checkpoint's; 'weight_grads': the plugin's
-    count of the weight GEMMs its I queued and W ran each step, ``runtime.wgrad``'s
-    ``WeightGradStats``, None without an I/W split; 'overlapped_pairs': the F&B pairs it ran in
-    one combined call, None without --overlap-moe-expert-parallel-comm; 'all_to_all': the
-    ``all_to_all_single`` calls this rank made in each step), the forward_backward_func the loop used,
-    and the stages this rank built ('stages': {stage: (parameters, layer numbers)}).
-    ``global_init=False``: the weights as Megatron (or the V providers) initialise them, not
-    filled from global names. ``kill_at_iteration=k``: the rank kills itself (SIGKILL, as
-    ``scancel`` or a lost node would: nothing is flushed or saved) when the loop calls
-    ``train_step`` with iteration k. ``record_to``: a folder where the history so far is
-    written after every step (``history-rank<r>.json``), for a run whose ranks are not this
-    process's children (srun) or that is killed."""
+    """Run Megatron-LM's own ``pretrain_gpt.py`` (this release's, ``support.megatron_lm_scripts``)
+    through ``scripts/pretrain_gpt_pp.py`` with ``argv`` on this rank, as a user launches it;
+    return what ``train_step`` returned each iteration: {'lm loss': [...], 'grad_norm': [...],
+    'skipped': [...], 'iteration': [...]} ('lm loss' only on the last pipeline rank;
+    'iteration': Megatron's count of the steps done before each, so a resumed run's first is
+    the checkpoint's; 'weight_grads': the plugin's count of the weight GEMMs its I queued and W
+    ran each step, ``runtime.wgrad``'s ``WeightGradStats``, None without an I/W split;
+    'overlapped_pairs': the F&B pairs it ran in one combined call, None without
+    --overlap-moe-expert-parallel-comm; 'all_to_all': the ``all_to_all_single`` calls this rank
+    made in each step), the forward_backward_func the loop used, and the stages this rank built
+    ('stages': {stage: (parameters, layer numbers)}). The weights are Megatron's own
+    initialisation (the V and dualpipe providers start them as 1F1B's).
+    ``kill_at_iteration=k``: the rank kills itself (SIGKILL, as ``scancel`` or a lost node
+    would: nothing is flushed or saved) when the loop calls ``train_step`` with iteration k.
+    ``record_to``: a folder where the history so far is written after every step
+    (``history-rank<r>.json``), for a run whose ranks are not this process's children (srun)
+    or that is killed."""
     apply_cpu_patches()
-    from megatron.training import training
-
     from megatron_pp_ext.integration import pretrain_entry
-    from support.gpt_provider import gpt_model_provider
+    from support.megatron_lm_scripts import run_pretrain_gpt_pp
 
-    sys.argv = ["pretrain_gpt.py", *argv]
     # 0.17/0.18's validate_args require NCCL_ALGO under --deterministic-mode (0.19 dropped the
     # check); gloo reads none of it
     os.environ.setdefault("NCCL_ALGO", "Ring")
     history: dict[str, Any] = {"lm loss": [], "grad_norm": [], "skipped": [], "iteration": [],
                                "weight_grads": [], "overlapped_pairs": [], "all_to_all": [],
                                "mtp loss": [], "grad_ready_as_learned": [],
-                               "auto_choice": None, "schedule": None,
-                               "rank": rank}
+                               "auto_choice": None, "schedule": None, "stages": {},
+                               "step_end_s": [], "eval lm loss": [], "rank": rank}
     _count_all_to_all()
-    history["step_end_s"] = []  # when each train_step returned (bench: steady step time)
-    history["eval lm loss"] = []
+    script_entry = pretrain_entry.run_pretrain
 
-    def record(_args) -> None:
-        """Wrap train_step and evaluate, once the schedule is installed (pretrain_entry
-        calls this after install_from_args): the train_step is then Megatron's, or
-        --pp-run-ahead's."""
-        original_train_step = training.train_step  # Megatron's, or --pp-run-ahead's
+    def recorded_entry(*args, on_args=None, **kwargs):
+        """The script's own call, with the recorder added once the arguments are validated
+        (after install_from_args: train_step is then Megatron's, or --pp-run-ahead's)."""
+        def on_validated_args(margs):
+            if on_args is not None:
+                on_args(margs)
+            _install_recorder(history, kill_at_iteration, record_to)
 
-        def recording_train_step(*args, **kwargs):
-            iteration = kwargs.get("iteration", args[7] if len(args) > 7 else None)
-            if kill_at_iteration is not None and iteration == kill_at_iteration:
-                os.kill(os.getpid(), signal.SIGKILL)
-            calls_before = _ALL_TO_ALL_CALLS[0]
-            out = original_train_step(*args, **kwargs)
-            history["step_end_s"].append(time.perf_counter())
-            loss_dict, skipped, grad_norm = out[0], out[1], out[5]
-            if "lm loss" in loss_dict:
-                history["lm loss"].append(float(loss_dict["lm loss"]))
-            history["grad_norm"].append(None if grad_norm is None else float(grad_norm))
-            history["skipped"].append(int(skipped))
-            history["iteration"].append(iteration)
-            history["all_to_all"].append(_ALL_TO_ALL_CALLS[0] - calls_before)
-            fbf = kwargs.get("forward_backward_func", args[6] if len(args) > 6 else None)
-            history["schedule"] = getattr(fbf, "__qualname__", repr(fbf))
-            state = getattr(fbf, "state", None)  # the plugin's
-            history["weight_grads"].append(getattr(getattr(state, "last_step", None),
-                                                   "weight_grads", None))
-            history["overlapped_pairs"].append(getattr(state, "overlapped_pairs", None))
-            history["mtp loss"].append(_mtp_losses_of_the_step())
-            model = kwargs.get("model", args[2] if len(args) > 2 else None)
-            history["grad_ready_as_learned"].append(_grad_ready_as_learned(model))
-            history["part_digests"] = _part_digests(model)
-            auto = getattr(state, "auto", None)
-            history["auto_choice"] = getattr(getattr(auto, "choice", None), "schedule", None)
-            if record_to is not None:
-                _record(history, record_to)
-            return out
+        return script_entry(*args, on_args=on_validated_args, **kwargs)
 
-        training.train_step = recording_train_step  # observation only: records, changes nothing
-        original_evaluate = training.evaluate
-
-        def recording_evaluate(*args, **kwargs):  # observation only, as above
-            out = original_evaluate(*args, **kwargs)
-            if out[0] and "lm loss" in out[0]:
-                history["eval lm loss"].append(float(out[0]["lm loss"]))
-            return out
-
-        training.evaluate = recording_evaluate
-
-    # The model: Megatron's GPT builder from the arguments (the spec pretrain_gpt.py trains;
-    # before 0.19, whose pretrain() takes a provider, support.gpt_provider), through
-    # pretrain_entry as scripts/pretrain_gpt_pp.py calls it (the schedule installed from the
-    # arguments, V layout for zb-v / dualpipev), as a provider that with_global_init wraps.
-    pretrain_entry.run_pretrain(
-        train_valid_test_datasets_provider, forward_step, model_provider=gpt_model_provider,
-        on_args=record, wrap_provider=functools.partial(with_global_init, fill=global_init))
-    history["stages"] = dict(STAGES_BUILT)
+    if os.environ.get(MOCK_CACHE_ENV) and "--data-cache-path" not in argv:
+        # rank 0 saves the mock corpus's indices, the others and later runs load them
+        argv = [*argv, "--data-cache-path", os.environ[MOCK_CACHE_ENV]]
+    pretrain_entry.run_pretrain = recorded_entry
+    try:
+        run_pretrain_gpt_pp(argv)
+    finally:
+        pretrain_entry.run_pretrain = script_entry
     from megatron_pp_ext.integration.install import current_installation
 
     installation = current_installation()
@@ -511,6 +354,83 @@ def run_pretrain(rank: int, world_size: int, argv: Sequence[str],
              "skipped": r.skipped, "replayed": r.replayed, "iteration": r.iteration}
             for r in installation.train_step.reports]
     return history
+
+
+def _install_recorder(history: dict[str, Any], kill_at_iteration: Optional[int],
+                      record_to: Optional[str]) -> None:
+    """Wrap Megatron-LM's ``train_step`` and ``evaluate`` to record what they return (and, at
+    ``kill_at_iteration``, to kill the rank): observation only, nothing they do changes."""
+    from megatron.training import training
+
+    original_train_step = training.train_step  # Megatron's, or --pp-run-ahead's
+
+    def recording_train_step(*args, **kwargs):
+        iteration = kwargs.get("iteration", args[7] if len(args) > 7 else None)
+        if kill_at_iteration is not None and iteration == kill_at_iteration:
+            os.kill(os.getpid(), signal.SIGKILL)
+        calls_before = _ALL_TO_ALL_CALLS[0]
+        out = original_train_step(*args, **kwargs)
+        history["step_end_s"].append(time.perf_counter())
+        fbf = kwargs.get("forward_backward_func", args[6] if len(args) > 6 else None)
+        model = kwargs.get("model", args[2] if len(args) > 2 else None)
+        _record_step(history, out, iteration, fbf, model, _ALL_TO_ALL_CALLS[0] - calls_before)
+        if record_to is not None:
+            _record(history, record_to)
+        return out
+
+    training.train_step = recording_train_step
+    original_evaluate = training.evaluate
+
+    def recording_evaluate(*args, **kwargs):
+        out = original_evaluate(*args, **kwargs)
+        if out[0] and "lm loss" in out[0]:
+            history["eval lm loss"].append(float(out[0]["lm loss"]))
+        return out
+
+    training.evaluate = recording_evaluate
+
+
+def _record_step(history: dict[str, Any], out, iteration, fbf, model, all_to_all: int) -> None:
+    """One ``train_step``'s results (and the plugin's counts of it) into ``history``."""
+    loss_dict, skipped, grad_norm = out[0], out[1], out[5]
+    if "lm loss" in loss_dict:
+        history["lm loss"].append(float(loss_dict["lm loss"]))
+    history["grad_norm"].append(None if grad_norm is None else float(grad_norm))
+    history["skipped"].append(int(skipped))
+    history["iteration"].append(iteration)
+    history["all_to_all"].append(all_to_all)
+    history["schedule"] = getattr(fbf, "__qualname__", repr(fbf))
+    state = getattr(fbf, "state", None)  # the plugin's
+    history["weight_grads"].append(getattr(getattr(state, "last_step", None),
+                                           "weight_grads", None))
+    history["overlapped_pairs"].append(getattr(state, "overlapped_pairs", None))
+    history["mtp loss"].append(_mtp_losses_of_the_step())
+    history["grad_ready_as_learned"].append(_grad_ready_as_learned(model))
+    history["part_digests"] = _part_digests(model)
+    history["stages"] = history["stages"] or _stages_built(model)
+    auto = getattr(state, "auto", None)
+    history["auto_choice"] = getattr(getattr(auto, "choice", None), "schedule", None)
+
+
+def _stages_built(model) -> dict[int, tuple[int, list[int]]]:
+    """{stage: (parameter count, decoder layer numbers)} of this rank's model chunks: the
+    stage the V / dualpipe providers annotate, else Megatron's loop placement (chunk c of
+    rank r is stage c*p + r)."""
+    from megatron.core import parallel_state
+    from megatron.core.utils import get_attr_wrapped_model
+
+    p = parallel_state.get_pipeline_model_parallel_world_size()
+    rank = parallel_state.get_pipeline_model_parallel_rank()
+    stages = {}
+    for chunk_index, chunk in enumerate(model or []):
+        inner = get_attr_wrapped_model(chunk, "pre_process", return_model_obj=True)
+        stage = getattr(inner, "pipeline_stage", None)
+        if stage is None:
+            stage = chunk_index * p + rank
+        layers = getattr(getattr(inner, "decoder", None), "layers", [])
+        stages[stage] = (sum(param.numel() for param in inner.parameters()),
+                         [int(layer.layer_number) for layer in layers])
+    return stages
 
 
 def _part_digests(model) -> dict[int, str]:

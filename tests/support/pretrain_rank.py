@@ -9,7 +9,7 @@ reads them (``megatron_pp_ext.train.launcher.detect``: ``SLURM_PROCID``, the fir
 allocation, a port from the job id); the rank joins the gloo process group (env://) before
 Megatron's ``initialize_megatron``, which then finds it joined. Each rank writes its history to ``OUT/history-rank<r>.json``
 after every step, so a killed run leaves what it did. The weights are Megatron's own
-initialisation (``global_init=False``), as a user's run has them.
+initialisation, as a user's run has them.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
                             timeout=datetime.timedelta(seconds=300))
     from support.megatron_loop import run_pretrain
 
-    run_pretrain(launch.rank, launch.world_size, megatron_argv, global_init=False,
+    run_pretrain(launch.rank, launch.world_size, megatron_argv,
                  kill_at_iteration=args.kill_at_iteration, record_to=args.out)
     return 0
 
