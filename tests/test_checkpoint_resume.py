@@ -27,6 +27,7 @@ import pytest
 
 from megatron_pp_ext.train.processes import SpawnError, spawn
 from support.megatron_loop import (
+    assert_v_trains_as,
     merge_history,
     pretrain_argv,
     run_pretrain,
@@ -126,20 +127,35 @@ def test_dualpipe_checkpoints_one_copy_and_resumes_bit_identical(tmp_path, unint
                      for i in (2, 3, 4)}
 
 
-def test_a_dualpipe_checkpoint_loads_into_megatrons_1f1b(tmp_path):
-    """The checkpoint dualpipe writes is 1F1B's model: Megatron's 1F1B loads its weights
-    (--no-load-optim) and trains exactly as from the checkpoint 1F1B itself wrote at the same
-    step. The optimizer state is left out: loading it into another layout needs Megatron's
-    fully reshardable format (--dist-ckpt-optim-fully-reshardable), whose load fails on the
-    CPU without apex even from 1F1B into 1F1B (KeyError 'step', Megatron-Core 0.19.2)."""
-    runs = {}
+def _resumed_from(checkpoints, schedule=None, vp=None):
+    """The steps after loading ``checkpoints``' weights (--no-load-optim) under ``schedule``
+    (None: Megatron's own 1F1B)."""
+    argv = pretrain_argv(pp=2, dp=2, schedule=schedule, vp=vp, iters=ITERS,
+                         extra=["--load", str(checkpoints), "--no-load-optim"])
+    return _steps(spawn(4, run_pretrain, argv, timeout_s=TIMEOUT))
+
+
+def test_checkpoints_cross_between_megatrons_1f1b_dualpipe_and_zb_v(tmp_path):
+    """A checkpoint is the model, whichever layout wrote it. dualpipe writes 1F1B's model:
+    Megatron's 1F1B loads its weights and trains exactly as from the checkpoint 1F1B itself
+    wrote at the same step. And the checkpoint Megatron's 1F1B writes resumes under dualpipe
+    (each part's two copies load the same entries; bit-identical to 1F1B resumed from it) and
+    under zb-v (the V layout's stages load their layers by global number; within the V
+    layout's tolerance). The optimizer state is left out (--no-load-optim): loading it into
+    another layout needs Megatron's fully reshardable format (--dist-ckpt-optim-fully-
+    reshardable), whose load fails on the CPU without apex even from 1F1B into 1F1B (KeyError
+    'step', Megatron-Core 0.19.2)."""
+    written = {}
     for name, argv in (("dualpipe", _dualpipe_argv()), ("1f1b", _argv(None))):
-        checkpoints = tmp_path / name
         (tmp_path / name).mkdir()
-        _killed_after_checkpoint(argv, checkpoints / "ck", tmp_path / name)
-        runs[name] = _steps(spawn(4, run_pretrain, _argv(None, ["--load",
-                                                                str(checkpoints / "ck"),
-                                                                "--no-load-optim"]),
-                                  timeout_s=TIMEOUT))
-    assert sorted(runs["dualpipe"]) == [2, 3, 4]
-    assert runs["dualpipe"] == runs["1f1b"]
+        written[name] = tmp_path / name / "ck"
+        _killed_after_checkpoint(argv, written[name], tmp_path / name)
+    from_1f1b = _resumed_from(written["1f1b"])
+    assert sorted(from_1f1b) == [2, 3, 4]
+    assert _resumed_from(written["dualpipe"]) == from_1f1b
+    assert _resumed_from(written["1f1b"], "dualpipe", vp=2) == from_1f1b
+    under_zb_v = _resumed_from(written["1f1b"], "zb-v", vp=2)
+    assert_v_trains_as({"lm loss": [under_zb_v[i][0] for i in (2, 3, 4)],
+                        "grad_norm": [under_zb_v[i][1] for i in (2, 3, 4)]},
+                       {"lm loss": [from_1f1b[i][0] for i in (2, 3, 4)],
+                        "grad_norm": [from_1f1b[i][1] for i in (2, 3, 4)]})

@@ -86,11 +86,25 @@ def test_validator_holds_each_microbatch_to_its_direction():
 
 @pytest.mark.parametrize("p,m,words", [
     (3, 6, "p=3 pipeline ranks: DualPipe pairs rank r with rank p-1-r"),
-    (4, 1, "m=1 microbatch: DualPipe sends microbatches from both ends"),
 ])
 def test_sizes_it_cannot_build_are_refused(p, m, words):
     with pytest.raises(ScheduleError, match=words):
         build_schedule("dualpipe", p, m)
+
+
+@pytest.mark.parametrize("forward_only", [False, True])
+def test_one_microbatch_runs_in_the_first_direction_alone(forward_only):
+    """m = 1 (a --step-batch-size-schedule's first steps, an evaluation's default batch under
+    one): the first direction carries it, the second is empty; each rank runs its part once,
+    as Megatron's 1F1B runs it (pretrain_gpt.py's loop: tests/test_pretrain_gpt_script.py)."""
+    schedule = build_schedule("dualpipe", 4, 1, forward_only=forward_only)
+    validate_schedule(schedule)
+    assert schedule.options["second_direction_from"] == 1
+    kinds = {rank: ("F" if forward_only else "FB") for rank in range(4)}
+    if not forward_only:  # DualPipe's order splits the last part's backward into I and W
+        kinds[3] = "FIW"
+    assert [[(a.stage, a.kind, a.microbatch) for a in row] for row in schedule.actions] == [
+        [(rank, kind, 0) for kind in kinds[rank]] for rank in range(4)]
 
 
 @pytest.mark.parametrize("p", [2, 4, 6, 8])
@@ -113,12 +127,13 @@ def test_cost_model_figures(p, factor):
     assert dualpipev.makespan == 3 * m + (p - 1) / 2
 
 
-@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 5), (4, 3), (6, 12)])
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 5), (4, 3), (4, 1), (6, 12)])
 def test_programs_pass_nccl_rules_and_compute_pp1_gradients(p, m):
     """Lowered for NCCL (both postings: one action at a time, and DualPipe's lockstep rounds
     with its F&B pairs), checked against NCCL's rules, and run on the fabric that enforces
     them: the gradient of each part (its two copies summed) and every loss equal the pp = 1
-    run's. m < 2p and an odd m: each direction built for max(ceil(m/2), p), cut."""
+    run's. m < 2p and an odd m: each direction built for max(ceil(m/2), p), cut (m = 1: the
+    second direction empty)."""
     schedule = build_schedule("dualpipe", p, m)
     for pairs in (False, True):
         runtime_program(schedule, batched=True, prefetch=False, overlapped_pairs=pairs,

@@ -68,9 +68,6 @@ def build_dualpipe(num_ranks: int, num_microbatches: int, chunks: int = 2,
             f"p={p} pipeline ranks: DualPipe pairs rank r with rank p-1-r (each holds the "
             "other's model part for the second direction), so p must be even; use an even "
             "pipeline size, or dualpipev (its V-shape variant, any p)")
-    require(m >= 2, "dualpipe",
-            f"m={m} microbatch: DualPipe sends microbatches from both ends, so it needs at "
-            "least 2 (one per direction); raise the global batch size")
     require(chunks == 2, "dualpipe",
             f"chunks v={chunks!r} is not allowed: dualpipe runs exactly 2 model chunks per rank "
             "(rank r holds parts r and p-1-r of the model); pass chunks=2 or leave it unset")

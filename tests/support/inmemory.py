@@ -138,10 +138,13 @@ def assert_equals_pp1(results, schedule, where: str = "") -> None:
 
 def gathered(results, schedule=None):
     """Every stage's gradient and every microbatch's loss; with ``schedule`` the gradients
-    are per model part, a dualpipe part's two copies summed (what the drop-in's sum does)."""
+    are per model part, a dualpipe part's two copies summed (what the drop-in's sum does; a
+    copy no microbatch crossed, dualpipe's second direction at m = 1, has none to add)."""
     grads, losses = {}, {}
     for _result, work in results:
         for stage, grad in work.gradients().items():
+            if grad is None and schedule is not None:
+                continue
             part = stage if schedule is None else schedule.model_stage(stage)
             grads[part] = grad if part not in grads else grads[part] + grad
         losses.update(work.losses)

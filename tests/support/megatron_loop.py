@@ -133,9 +133,11 @@ def _patch_table() -> list[tuple[Any, str, Any, str]]:
     """(owner, attribute, replacement, why): the CPU patches Megatron-LM's loop needs."""
     from megatron.core.datasets import utils as dataset_utils
     from megatron.core.datasets.gpt_dataset import MockGPTLowLevelDataset
+    from megatron.core.tensor_parallel import random as tensor_parallel_random
     from megatron.core.transformer import utils as transformer_utils
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
-    from megatron.training import initialize, training
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.training import arguments, initialize, training
 
     from megatron_pp_ext.train.cpu_shims import NullEvent, NullStream, _CpuTorchProxy, _on_cpu
 
@@ -183,8 +185,42 @@ def _patch_table() -> list[tuple[Any, str, Any, str]]:
          "to 4096 tokens, 12.7M samples of 16 tokens, and every new run configuration builds a "
          "shuffle index over all of them (~1.9 s of CPU on rank 0) to read the few hundred a "
          "test trains on; the same code reads documents of at most 64"),
+        (tensor_parallel_random, "_get_cuda_rng_state",
+         lambda *a, **k: torch.empty(0, dtype=torch.uint8),
+         "activation recompute (--recompute-granularity) saves the CUDA RNG state with each "
+         "checkpointed forward (no CUDA RNG here; the CPU's is saved beside it)"),
+        (tensor_parallel_random, "_set_cuda_rng_state", lambda *a, **k: None,
+         "and puts it back before the recomputed forward"),
+        (arguments, "get_device_arch_version", lambda: 9,
+         "validate_args asks the GPU's architecture under tensor parallelism (there is no GPU: "
+         "an H100's, 9, whose rule is CUDA_DEVICE_MAX_CONNECTIONS=1, as users set it)"),
+        (WrappedTorchNorm, "__new__", staticmethod(_sequence_parallel_norm(
+            WrappedTorchNorm.__new__)),
+         "without apex and TE the local spec's norm is WrappedTorchNorm, which refuses "
+         "--sequence-parallel; apex's FusedLayerNorm (GPU-only) takes it and marks its "
+         "parameters sequence_parallel, so finalize_model_grads all-reduces their gradients "
+         "over TP: the same torch norm, marked so"),
         *_checkpoint_patches(),
     ]
+
+
+def _sequence_parallel_norm(wrapped_torch_norm_new):
+    """``WrappedTorchNorm.__new__`` that builds the torch norm under --sequence-parallel too,
+    its parameters marked ``sequence_parallel`` as apex's and TE's norms mark theirs."""
+
+    def new(cls, config, hidden_size, eps=1e-5, **kwargs):
+        if not config.sequence_parallel:
+            return wrapped_torch_norm_new(cls, config, hidden_size, eps, **kwargs)
+        config.sequence_parallel = False  # only while its assert reads it
+        try:
+            norm = wrapped_torch_norm_new(cls, config, hidden_size, eps, **kwargs)
+        finally:
+            config.sequence_parallel = True
+        for param in norm.parameters():
+            param.sequence_parallel = True
+        return norm
+
+    return new
 
 
 def _host_copy(tensor, as_numpy=False, record_stream=False):
@@ -316,11 +352,13 @@ def run_pretrain(rank: int, world_size: int, argv: Sequence[str],
     from support.megatron_lm_scripts import run_pretrain_gpt_pp
 
     # 0.17/0.18's validate_args require NCCL_ALGO under --deterministic-mode (0.19 dropped the
-    # check); gloo reads none of it
+    # check), and tensor parallelism on a Hopper GPU CUDA_DEVICE_MAX_CONNECTIONS=1, as users
+    # set them; gloo reads neither
     os.environ.setdefault("NCCL_ALGO", "Ring")
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     history: dict[str, Any] = {"lm loss": [], "grad_norm": [], "skipped": [], "iteration": [],
                                "weight_grads": [], "overlapped_pairs": [], "all_to_all": [],
-                               "mtp loss": [], "grad_ready_as_learned": [],
+                               "mtp loss": [], "grad_ready_as_learned": [], "microbatches": [],
                                "auto_choice": None, "schedule": None, "stages": {},
                                "step_end_s": [], "eval lm loss": [], "rank": rank}
     _count_all_to_all()
@@ -374,6 +412,9 @@ def _install_recorder(history: dict[str, Any], kill_at_iteration: Optional[int],
         fbf = kwargs.get("forward_backward_func", args[6] if len(args) > 6 else None)
         model = kwargs.get("model", args[2] if len(args) > 2 else None)
         _record_step(history, out, iteration, fbf, model, _ALL_TO_ALL_CALLS[0] - calls_before)
+        step = kwargs.get("forward_step_func", args[0] if args else None)
+        history["forward_step_file"] = getattr(getattr(step, "__code__", None), "co_filename",
+                                               None)
         if record_to is not None:
             _record(history, record_to)
         return out
@@ -392,12 +433,15 @@ def _install_recorder(history: dict[str, Any], kill_at_iteration: Optional[int],
 
 def _record_step(history: dict[str, Any], out, iteration, fbf, model, all_to_all: int) -> None:
     """One ``train_step``'s results (and the plugin's counts of it) into ``history``."""
+    from megatron.core.num_microbatches_calculator import get_num_microbatches
+
     loss_dict, skipped, grad_norm = out[0], out[1], out[5]
     if "lm loss" in loss_dict:
         history["lm loss"].append(float(loss_dict["lm loss"]))
     history["grad_norm"].append(None if grad_norm is None else float(grad_norm))
     history["skipped"].append(int(skipped))
     history["iteration"].append(iteration)
+    history["microbatches"].append(get_num_microbatches())
     history["all_to_all"].append(all_to_all)
     history["schedule"] = getattr(fbf, "__qualname__", repr(fbf))
     state = getattr(fbf, "state", None)  # the plugin's
@@ -564,6 +608,8 @@ def merge_history(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
             "auto_choice": [r.get("auto_choice") for r in results],
             "grad_ready_as_learned": [r.get("grad_ready_as_learned") for r in results],
             "grad_norm": results[0]["grad_norm"], "iteration": results[0]["iteration"],
+            "microbatches": results[0]["microbatches"],
+            "forward_step_file": results[0].get("forward_step_file"),
             "skipped": results[0]["skipped"], "schedule": results[0]["schedule"]}
 
 
