@@ -127,35 +127,50 @@ def test_dualpipe_checkpoints_one_copy_and_resumes_bit_identical(tmp_path, unint
                      for i in (2, 3, 4)}
 
 
-def _resumed_from(checkpoints, schedule=None, vp=None):
+def _one_replica_argv(schedule=None, extra=()):
+    """pp=2 without data parallelism (2 ranks): the cross-layout cases need no replicas."""
+    vp = 2 if schedule in ("dualpipe", "zb-v") else None
+    return pretrain_argv(pp=2, dp=1, schedule=schedule, vp=vp, iters=ITERS, extra=list(extra))
+
+
+def _written_by(schedule, tmp_path):
+    """The checkpoint at iteration 2 of a ``schedule`` run killed at iteration 3."""
+    folder = tmp_path / (schedule or "1f1b")
+    folder.mkdir()
+    records = folder / "records"
+    records.mkdir()
+    with pytest.raises(SpawnError, match="died with exit code -9"):
+        spawn(2, run_pretrain, _one_replica_argv(schedule, [
+            "--save", str(folder / "ck"), "--save-interval", str(SAVE_INTERVAL)]),
+              kill_at_iteration=KILLED_AT, record_to=str(records), timeout_s=TIMEOUT)
+    assert (folder / "ck" / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    return folder / "ck"
+
+
+def _resumed_from(checkpoints, schedule=None):
     """The steps after loading ``checkpoints``' weights (--no-load-optim) under ``schedule``
     (None: Megatron's own 1F1B)."""
-    argv = pretrain_argv(pp=2, dp=2, schedule=schedule, vp=vp, iters=ITERS,
-                         extra=["--load", str(checkpoints), "--no-load-optim"])
-    return _steps(spawn(4, run_pretrain, argv, timeout_s=TIMEOUT))
+    argv = _one_replica_argv(schedule, ["--load", str(checkpoints), "--no-load-optim"])
+    return _steps(spawn(2, run_pretrain, argv, timeout_s=TIMEOUT))
 
 
 def test_checkpoints_cross_between_megatrons_1f1b_dualpipe_and_zb_v(tmp_path):
-    """A checkpoint is the model, whichever layout wrote it. dualpipe writes 1F1B's model:
-    Megatron's 1F1B loads its weights and trains exactly as from the checkpoint 1F1B itself
-    wrote at the same step. And the checkpoint Megatron's 1F1B writes resumes under dualpipe
-    (each part's two copies load the same entries; bit-identical to 1F1B resumed from it) and
-    under zb-v (the V layout's stages load their layers by global number; within the V
-    layout's tolerance). The optimizer state is left out (--no-load-optim): loading it into
-    another layout needs Megatron's fully reshardable format (--dist-ckpt-optim-fully-
-    reshardable), whose load fails on the CPU without apex even from 1F1B into 1F1B (KeyError
-    'step', Megatron-Core 0.19.2)."""
-    written = {}
-    for name, argv in (("dualpipe", _dualpipe_argv()), ("1f1b", _argv(None))):
-        (tmp_path / name).mkdir()
-        written[name] = tmp_path / name / "ck"
-        _killed_after_checkpoint(argv, written[name], tmp_path / name)
-    from_1f1b = _resumed_from(written["1f1b"])
+    """A checkpoint is the model, whichever layout wrote it. Megatron's 1F1B's resumes under
+    dualpipe (each part's two copies load the same entries) with the steps of 1F1B resumed
+    from it, bit for bit, and under zb-v (the V layout's stages load their layers by global
+    number) within the V layout's tolerance; dualpipe writes 1F1B's model, which Megatron's
+    1F1B loads and trains exactly as from its own checkpoint of the same step. The optimizer
+    state is left out (--no-load-optim): loading it into another layout needs Megatron's
+    fully reshardable format (--dist-ckpt-optim-fully-reshardable), whose load fails on the
+    CPU without apex even from 1F1B into 1F1B (KeyError 'step', Megatron-Core 0.19.2)."""
+    written = _written_by(None, tmp_path)
+    from_1f1b = _resumed_from(written)
     assert sorted(from_1f1b) == [2, 3, 4]
-    assert _resumed_from(written["dualpipe"]) == from_1f1b
-    assert _resumed_from(written["1f1b"], "dualpipe", vp=2) == from_1f1b
-    under_zb_v = _resumed_from(written["1f1b"], "zb-v", vp=2)
-    assert_v_trains_as({"lm loss": [under_zb_v[i][0] for i in (2, 3, 4)],
-                        "grad_norm": [under_zb_v[i][1] for i in (2, 3, 4)]},
-                       {"lm loss": [from_1f1b[i][0] for i in (2, 3, 4)],
-                        "grad_norm": [from_1f1b[i][1] for i in (2, 3, 4)]})
+    assert _resumed_from(written, "dualpipe") == from_1f1b
+    assert _resumed_from(_written_by("dualpipe", tmp_path)) == from_1f1b
+    under_zb_v = _resumed_from(written, "zb-v")
+    steps = (2, 3, 4)
+    assert_v_trains_as({"lm loss": [under_zb_v[i][0] for i in steps],
+                        "grad_norm": [under_zb_v[i][1] for i in steps]},
+                       {"lm loss": [from_1f1b[i][0] for i in steps],
+                        "grad_norm": [from_1f1b[i][1] for i in steps]})

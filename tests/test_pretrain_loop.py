@@ -34,6 +34,7 @@ import math
 
 import pytest
 
+from support.megatron_lm_scripts import scripts_folder
 from support.megatron_loop import (
     FIRST_STEP_RTOL,
     assert_dualpipe_copies_equal,
@@ -79,6 +80,8 @@ def megatron_interleaved():
 
 
 def _check_run(history, schedule_name):
+    # the release's own pretrain_gpt.py ran the steps (its forward_step and get_batch)
+    assert history["forward_step_file"] == str(scripts_folder() / "pretrain_gpt.py")
     assert history["schedule"] == schedule_name
     assert len(history["lm loss"]) == ITERS and len(history["grad_norm"]) == ITERS
     assert history["skipped"] == [0] * ITERS
