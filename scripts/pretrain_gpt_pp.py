@@ -32,12 +32,14 @@ ZBVZeroBubble, DualPipeV, ...).
 
 Instead of --pipeline-schedule you may set MEGATRON_PP_SCHEDULE=<name> in the environment (the
 flag wins). With neither, Megatron's own schedule runs, exactly as with pretrain_gpt.py.
-It reuses pretrain_gpt.py's dataset provider, forward_step, model provider (0.17, 0.18) and
-embedding ranks, and calls pretrain() the way that release's pretrain_gpt.py __main__ block
-does (megatron_pp_ext.integration.pretrain_entry); the schedule is installed right after the
-arguments are validated, on every rank (0.17, whose pretrain() parses them: at the model
-provider's first call). (patches/pretrain_gpt_core_r0.19.0.patch does the
-same inside pretrain_gpt.py.)
+It reuses pretrain_gpt.py's dataset provider, forward_step, get_batch, model provider (0.17,
+0.18) and embedding ranks, and calls pretrain() the way that release's pretrain_gpt.py __main__
+block does (megatron_pp_ext.integration.pretrain_gpt_script); the schedule is installed right
+after the arguments are validated, on every rank (0.17, whose pretrain() parses them: at the
+model provider's first call), and with a V or dualpipe schedule the script's get_batch is told
+which ranks hold the model's entries and exits (integration/script_batches.py).
+(patches/pretrain_gpt_core_r0.19.0.patch installs the schedule inside pretrain_gpt.py but does
+not adapt its get_batch: the V-layout schedules and dualpipe need this script.)
 """
 
 import time
@@ -46,58 +48,9 @@ _MAIN_ENTRY_TIME = time.time()
 
 
 def main():
-    try:
-        import pretrain_gpt as gpt  # Megatron-LM's script, as a module: its __main__ is skipped
-    except ImportError as error:
-        raise SystemExit(
-            f"cannot import Megatron-LM's pretrain_gpt ({error}): put a Megatron-LM checkout "
-            "(a release branch core_r0.17.0 to core_r0.19.0, or main) on PYTHONPATH"
-        ) from error
-    from functools import partial
+    from megatron_pp_ext.integration.pretrain_gpt_script import run_pretrain_gpt
 
-    from megatron.training import inprocess_restart, pretrain, set_startup_timestamps
-
-    from megatron_pp_ext import megatron_compat
-    from megatron_pp_ext.integration.megatron_args import adapt_pretrain_gpt_for_args
-    from megatron_pp_ext.integration.pretrain_entry import run_pretrain
-
-    megatron_compat.check_supported()
-    set_startup_timestamps(
-        program_start=getattr(gpt, "_PROGRAM_START_TIME", _MAIN_ENTRY_TIME),
-        main_entry=_MAIN_ENTRY_TIME,
-    )
-    setattr(gpt.train_valid_test_datasets_provider, "is_distributed", True)
-    run_pretrain_fn, store = inprocess_restart.maybe_wrap_for_inprocess_restart(pretrain)
-    modelopt = getattr(gpt, "has_nvidia_modelopt", False)
-
-    def on_args(args):  # after the schedule is installed, before the model is built
-        if modelopt and hasattr(gpt, "maybe_enable_modelopt"):  # 0.19+
-            gpt.maybe_enable_modelopt(args)
-        # the V layout and dualpipe: get_batch / the dataset provider asked which ranks hold
-        # the model's entries and exits (integration/script_batches.py)
-        adapt_pretrain_gpt_for_args(gpt, args)
-
-    def model_config(args):  # 0.19+: the GPT config pretrain() builds the model from
-        if modelopt and getattr(args, "modelopt_enabled", False):
-            return megatron_compat.gpt_model_config(
-                args, model_config_cls=gpt.ModelOptModelConfig)
-        return megatron_compat.gpt_model_config(args)
-
-    # 0.17 / 0.18: pretrain() takes pretrain_gpt.py's model provider (the V layout wraps it)
-    loop_provider = (partial(gpt.model_provider, gpt.gpt_builder)
-                     if hasattr(gpt, "model_provider") and hasattr(gpt, "gpt_builder") else None)
-    run_pretrain(
-        gpt.train_valid_test_datasets_provider,
-        gpt.forward_step,
-        model_provider=loop_provider,
-        extra_args_provider=gpt.add_modelopt_args if modelopt else None,
-        args_defaults={"tokenizer_type": "GPT2BPETokenizer"},
-        on_args=on_args,
-        model_config=model_config,
-        pretrain=run_pretrain_fn,
-        store=store,
-        get_embedding_ranks=gpt.get_embedding_ranks,
-    )
+    run_pretrain_gpt(main_entry_time=_MAIN_ENTRY_TIME)
 
 
 if __name__ == "__main__":

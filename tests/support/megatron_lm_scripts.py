@@ -4,14 +4,14 @@ script users launch, for the megatron-core release this process runs.
 The files are NVIDIA's, unchanged, one folder per release of the supported window, in the
 project's shared folder (``shared/megatron-lm/<version>/``, beside the checkout); they are test
 fixtures and are not copied into the project. :func:`scripts_folder` finds the release's folder
-(``$MEGATRON_LM_SCRIPTS`` first), :func:`run_pretrain_gpt_pp` runs
-``scripts/pretrain_gpt_pp.py`` (the plugin's flag around that script) in this process, as
-``python scripts/pretrain_gpt_pp.py <argv>`` would under torchrun.
+(``$MEGATRON_LM_SCRIPTS`` first), :func:`run_pretrain_gpt_pp` runs what
+``scripts/pretrain_gpt_pp.py`` runs (the plugin's flag around that script,
+``integration.pretrain_gpt_script``) in this process, as ``python scripts/pretrain_gpt_pp.py
+<argv>`` would under torchrun.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 import types
@@ -90,14 +90,12 @@ def put_scripts_on_path(version: str | None = None) -> Path:
     return folder
 
 
-def run_pretrain_gpt_pp(argv: Sequence[str]) -> None:
+def run_pretrain_gpt_pp(argv: Sequence[str], on_args=None) -> None:
     """``python scripts/pretrain_gpt_pp.py <argv>`` in this process (a rank of a gloo launch:
     RANK, WORLD_SIZE and the rendezvous in its environment), over the imported release's own
-    ``pretrain_gpt.py``."""
+    ``pretrain_gpt.py``; ``on_args(args)`` once the arguments are validated."""
+    from megatron_pp_ext.integration.pretrain_gpt_script import run_pretrain_gpt
+
     put_scripts_on_path()
     sys.argv = ["pretrain_gpt_pp.py", *argv]
-    path = ROOT / "scripts" / "pretrain_gpt_pp.py"
-    spec = importlib.util.spec_from_file_location("pretrain_gpt_pp", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    module.main()
+    run_pretrain_gpt(on_args=on_args)

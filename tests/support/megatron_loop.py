@@ -36,8 +36,6 @@ import signal
 import time
 from typing import Any, Optional, Sequence
 
-import torch
-
 __all__ = [
     "pretrain_argv",
     "run_pretrain",
@@ -106,219 +104,48 @@ def pretrain_argv(
 
 
 # --------------------------------------------------------------------------------------------
-# CPU patches
+# CPU patches (megatron_pp_ext.train.megatron_lm_cpu), and the tests' own two
 # --------------------------------------------------------------------------------------------
 
 
-def _cpu_tensor_cuda(self, device=None, non_blocking=False, **kwargs):
-    return self
-
-
-_CUDA_TYPE_NAMES = {
-    "torch.FloatTensor": "torch.cuda.FloatTensor",
-    "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor",
-    "torch.HalfTensor": "torch.cuda.HalfTensor",
-}
-_tensor_type = torch.Tensor.type
-
-
-def _cuda_named_type(self, dtype=None, non_blocking=False, **kwargs):
-    if dtype is None and not kwargs:
-        name = _tensor_type(self)
-        return _CUDA_TYPE_NAMES.get(name, name)
-    return _tensor_type(self, dtype, non_blocking, **kwargs)
-
-
-def _patch_table() -> list[tuple[Any, str, Any, str]]:
-    """(owner, attribute, replacement, why): the CPU patches Megatron-LM's loop needs."""
-    from megatron.core.datasets import utils as dataset_utils
+def _test_patch_table() -> list[tuple[Any, str, Any, str]]:
+    """(owner, attribute, replacement, why): what the tests add to the CPU patches."""
     from megatron.core.datasets.gpt_dataset import MockGPTLowLevelDataset
-    from megatron.core.tensor_parallel import random as tensor_parallel_random
-    from megatron.core.transformer import utils as transformer_utils
-    from megatron.core.transformer.moe import moe_utils, token_dispatcher
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
-    from megatron.training import arguments, initialize, training
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    from megatron_pp_ext.train.cpu_shims import NullEvent, NullStream, _CpuTorchProxy, _on_cpu
-
-    init = functools.partial(training.initialize_megatron, allow_no_cuda=True)
+    results_queue = queue_mod.Queue()
     return [
-        (training, "initialize_megatron", init,
-         "pretrain() calls initialize_megatron() without allow_no_cuda: it asserts CUDA"),
-        (initialize, "torch", _TorchWithOneDevice(),
-         "initialize sees torch.cuda.device_count() == 0 and then skips initialize_model_parallel"),
-        (training, "set_jit_fusion_options", lambda *a, **k: None,
-         "set_jit_fusion_options warms up fused kernels on CUDA tensors"),
-        (torch, "tensor", _on_cpu(torch.tensor),
-         "the loop, the rerun state machine and the loss reporting make flags, timestamps and "
-         "counters with torch.tensor(..., device='cuda')"),
-        (torch.Tensor, "cuda", _cpu_tensor_cuda,
-         "get_model moves each model chunk with .cuda(current_device), i.e. Tensor.cuda('cpu')"),
-        (torch.cuda, "Stream", lambda *a, **k: NullStream(),
-         "get_model builds DDP on a side CUDA stream (a CPU stand-in)"),
-        (torch.cuda, "Event", lambda *a, **k: NullEvent(),
-         "Megatron's combined 1F1B (--overlap-moe-expert-parallel-comm) orders its compute and "
-         "communication streams with CUDA events; on the CPU one thread runs both in order"),
-        (torch.cuda, "stream", lambda stream=None: NullStream(),
-         "the combined 1F1B's nodes run under torch.cuda.stream(their stream)"),
-        (torch.Tensor, "record_stream", lambda self, stream: None,
-         "the combined 1F1B's nodes tell the CUDA caching allocator which stream used a "
-         "tensor before freeing it; the CPU has no such allocator"),
-        (torch.Tensor, "type", _cuda_named_type,
-         "clip_grads and the distributed optimizer assert torch.cuda.* tensor type names"),
-        (dataset_utils, "compile_helpers", lambda: None,
-         "initialize runs `make` in the wheel's datasets folder, which ships helpers_cpp prebuilt "
-         "and no Makefile"),
-        (torch.cuda, "get_rng_state", lambda *a, **k: torch.empty(0, dtype=torch.uint8),
-         "the rerun state machine saves the CUDA RNG state every step (no CUDA RNG here)"),
-        (token_dispatcher, "maybe_move_tensor_to_cpu", _host_copy,
-         "the MoE alltoall dispatcher turns its split sizes into host (numpy) arrays only for "
-         "CUDA tensors; on the CPU they stay tensors, which all_to_all_single refuses"),
-        (transformer_utils, "torch", _CpuTorchProxy(),
-         "get_default_causal_mask (a chunk given no attention mask: pretrain_gpt.py's get_batch "
-         "reads none on a middle stage) makes it with torch.ones(..., device='cuda')"),
-        (moe_utils, "torch", _CpuTorchProxy(),
-         "0.17's track_moe_metrics (training_log) makes the tracker of a rank without MoE "
-         "layers with torch.zeros(..., device='cuda')"),
         (MockGPTLowLevelDataset, "max_sequence_length", MOCK_MAX_DOCUMENT_TOKENS,
          "not for the CPU, for time: pretrain_gpt.py's --mock-data corpus has documents of up "
          "to 4096 tokens, 12.7M samples of 16 tokens, and every new run configuration builds a "
          "shuffle index over all of them (~1.9 s of CPU on rank 0) to read the few hundred a "
          "test trains on; the same code reads documents of at most 64"),
-        (tensor_parallel_random, "_get_cuda_rng_state",
-         lambda *a, **k: torch.empty(0, dtype=torch.uint8),
-         "activation recompute (--recompute-granularity) saves the CUDA RNG state with each "
-         "checkpointed forward (no CUDA RNG here; the CPU's is saved beside it)"),
-        (tensor_parallel_random, "_set_cuda_rng_state", lambda *a, **k: None,
-         "and puts it back before the recomputed forward"),
-        (arguments, "get_device_arch_version", lambda: 9,
-         "validate_args asks the GPU's architecture under tensor parallelism (there is no GPU: "
-         "an H100's, 9, whose rule is CUDA_DEVICE_MAX_CONNECTIONS=1, as users set it)"),
-        (WrappedTorchNorm, "__new__", staticmethod(_sequence_parallel_norm(
-            WrappedTorchNorm.__new__)),
-         "without apex and TE the local spec's norm is WrappedTorchNorm, which refuses "
-         "--sequence-parallel; apex's FusedLayerNorm (GPU-only) takes it and marks its "
-         "parameters sequence_parallel, so finalize_model_grads all-reduces their gradients "
-         "over TP: the same torch norm, marked so"),
-        *_checkpoint_patches(),
-    ]
-
-
-def _sequence_parallel_norm(wrapped_torch_norm_new):
-    """``WrappedTorchNorm.__new__`` that builds the torch norm under --sequence-parallel too,
-    its parameters marked ``sequence_parallel`` as apex's and TE's norms mark theirs."""
-
-    def new(cls, config, hidden_size, eps=1e-5, **kwargs):
-        if not config.sequence_parallel:
-            return wrapped_torch_norm_new(cls, config, hidden_size, eps, **kwargs)
-        config.sequence_parallel = False  # only while its assert reads it
-        try:
-            norm = wrapped_torch_norm_new(cls, config, hidden_size, eps, **kwargs)
-        finally:
-            config.sequence_parallel = True
-        for param in norm.parameters():
-            param.sequence_parallel = True
-        return norm
-
-    return new
-
-
-def _host_copy(tensor, as_numpy=False, record_stream=False):
-    """moe_utils.maybe_move_tensor_to_cpu as the GPU sees it: the host copy, as numpy if asked."""
-    if torch.is_tensor(tensor) and as_numpy:
-        return tensor.numpy()
-    return tensor
-
-
-def _checkpoint_patches() -> list[tuple[Any, str, Any, str]]:
-    """What Megatron's checkpointing (``--save``/``--load``, the default torch_dist format with
-    the distributed optimizer) needs here. The first two are Megatron-Core 0.19.2's Adam
-    fallback without apex and Transformer Engine (the CPU's case; on GPUs TE's FusedAdam keeps
-    the step in the param groups and neither arises); the third is the test harness's."""
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    results_queue = queue_mod.Queue()
-    return [
-        (DistributedOptimizer, "state_dict", _state_dict_of_a_fresh_optimizer(
-            DistributedOptimizer.state_dict),
-         "without apex/TE, state_dict() reads Adam's step from the per-parameter state, which "
-         "an optimizer built to load a checkpoint does not have yet (assert len(steps) == 1)"),
-        (DistributedOptimizer, "load_state_dict", _with_the_loaded_step(
-            DistributedOptimizer.load_state_dict),
-         "without apex/TE, the dp_reshardable parameter state copies the load template's step "
-         "over the loaded one (measured: 0 loaded where 2 was saved), so Adam's bias correction "
-         "would restart; the loaded param groups hold the saved step"),
         (filesystem_async, "get_write_results_queue", lambda mp_mode="spawn": results_queue,
-         "the writer's result queue is a multiprocessing Manager's started with 'spawn' (a new "
-         "interpreter importing torch: ~5 s of CPU a rank here), which a daemonic process (the "
-         "harness's ranks) may not start and a killed rank leaves running; a synchronous save "
-         "(no --async-save) writes in this process's threads, so an in-process queue carries "
-         "the same results"),
+         "the checkpoint writer's result queue is a multiprocessing Manager's started with "
+         "'spawn' (a new interpreter importing torch: ~5 s of CPU a rank here), which a "
+         "daemonic process (the harness's ranks) may not start and a killed rank leaves "
+         "running; a synchronous save (no --async-save) writes in this process's threads, so an "
+         "in-process queue carries the same results"),
     ]
 
 
-def _state_dict_of_a_fresh_optimizer(state_dict):
-    @functools.wraps(state_dict)
-    def patched(self):
-        if len(self.optimizer.state) > 0:
-            return state_dict(self)
-        # A template for loading: step 0 for now; the load puts the saved step in.
-        for group in self.optimizer.param_groups:
-            for param in group["params"]:
-                self.optimizer.state[param] = {"step": torch.tensor(0.0)}
-        try:
-            return state_dict(self)
-        finally:
-            self.optimizer.state.clear()
-
-    return patched
-
-
-def _with_the_loaded_step(load_state_dict):
-    @functools.wraps(load_state_dict)
-    def patched(self, state_dict):
-        load_state_dict(self, state_dict)
-        steps = {group.get("step") for group in state_dict["optimizer"]["param_groups"]}
-        if len(steps) == 1 and None not in steps:
-            step = steps.pop()
-            for state in self.optimizer.state.values():
-                if "step" in state:  # torch's Adam: one tensor per parameter
-                    state["step"] = torch.tensor(float(step), dtype=torch.float32)
-
-    return patched
-
-
-class _TorchWithOneDevice:
-    """``torch`` for megatron.training.initialize: ``torch.cuda.device_count()`` is 1."""
-
-    class _Cuda:
-        def __getattr__(self, name):
-            return getattr(torch.cuda, name)
-
-        @staticmethod
-        def device_count():
-            return 1
-
-    cuda = _Cuda()
-
-    def __getattr__(self, name):
-        return getattr(torch, name)
-
-
-_APPLIED: list[tuple[Any, str, Any]] = []
+_TEST_PATCHES_APPLIED: list = []
 
 
 def apply_cpu_patches() -> None:
-    """Megatron-Core's CPU shims (``cpu_shims``), then the loop's own patches above. For a
-    spawned rank only (never undone: the process ends with the run)."""
-    from megatron_pp_ext.train.cpu_shims import apply_cpu_shims
+    """The CPU patches of Megatron-LM's loop (``train.megatron_lm_cpu``), then the tests' own.
+    For a spawned rank only (never undone: the process ends with the run)."""
+    from megatron_pp_ext.train.megatron_lm_cpu import (
+        apply_megatron_lm_cpu_patches,
+        prepare_cpu_environment,
+    )
 
-    apply_cpu_shims(force=True)
-    if _APPLIED:
+    apply_megatron_lm_cpu_patches()
+    prepare_cpu_environment()
+    if _TEST_PATCHES_APPLIED:
         return
-    for owner, attr, replacement, _why in _patch_table():
-        _APPLIED.append((owner, attr, getattr(owner, attr, None)))
+    for owner, attr, replacement, _why in _test_patch_table():
+        _TEST_PATCHES_APPLIED.append((owner, attr))
         setattr(owner, attr, replacement)
 
 
@@ -348,40 +175,21 @@ def run_pretrain(rank: int, world_size: int, argv: Sequence[str],
     (``history-rank<r>.json``), for a run whose ranks are not this process's children (srun)
     or that is killed."""
     apply_cpu_patches()
-    from megatron_pp_ext.integration import pretrain_entry
     from support.megatron_lm_scripts import run_pretrain_gpt_pp
 
-    # 0.17/0.18's validate_args require NCCL_ALGO under --deterministic-mode (0.19 dropped the
-    # check), and tensor parallelism on a Hopper GPU CUDA_DEVICE_MAX_CONNECTIONS=1, as users
-    # set them; gloo reads neither
-    os.environ.setdefault("NCCL_ALGO", "Ring")
-    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     history: dict[str, Any] = {"lm loss": [], "grad_norm": [], "skipped": [], "iteration": [],
                                "weight_grads": [], "overlapped_pairs": [], "all_to_all": [],
                                "mtp loss": [], "grad_ready_as_learned": [], "microbatches": [],
                                "auto_choice": None, "schedule": None, "stages": {},
                                "step_end_s": [], "eval lm loss": [], "rank": rank}
     _count_all_to_all()
-    script_entry = pretrain_entry.run_pretrain
-
-    def recorded_entry(*args, on_args=None, **kwargs):
-        """The script's own call, with the recorder added once the arguments are validated
-        (after install_from_args: train_step is then Megatron's, or --pp-run-ahead's)."""
-        def on_validated_args(margs):
-            if on_args is not None:
-                on_args(margs)
-            _install_recorder(history, kill_at_iteration, record_to)
-
-        return script_entry(*args, on_args=on_validated_args, **kwargs)
-
     if os.environ.get(MOCK_CACHE_ENV) and "--data-cache-path" not in argv:
         # rank 0 saves the mock corpus's indices, the others and later runs load them
         argv = [*argv, "--data-cache-path", os.environ[MOCK_CACHE_ENV]]
-    pretrain_entry.run_pretrain = recorded_entry
-    try:
-        run_pretrain_gpt_pp(argv)
-    finally:
-        pretrain_entry.run_pretrain = script_entry
+    # the recorder once the arguments are validated (after install_from_args: train_step is
+    # then Megatron's, or --pp-run-ahead's)
+    run_pretrain_gpt_pp(argv, on_args=lambda args: _install_recorder(
+        history, kill_at_iteration, record_to))
     from megatron_pp_ext.integration.install import current_installation
 
     installation = current_installation()

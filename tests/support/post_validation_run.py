@@ -28,9 +28,8 @@ from megatron_pp_ext.models import tiny_gpt
 
 
 def _patch_for_cpu() -> None:
-    from support.megatron_loop import _cuda_named_type
-
     from megatron_pp_ext.train.cpu_shims import _on_cpu
+    from megatron_pp_ext.train.megatron_lm_cpu import _cuda_named_type
 
     torch.Tensor.type = _cuda_named_type
     # the loss scaler and the found-inf flag are made with torch.tensor(..., device='cuda')
