@@ -11,7 +11,7 @@ import importlib
 import os
 import sys
 
-COMMANDS = ["simulate", "demo", "select", "compare", "plan", "train"]
+COMMANDS = ["simulate", "demo", "select", "compare", "plan", "train", "verify"]
 
 
 class _Parser(argparse.ArgumentParser):

@@ -129,6 +129,13 @@ def finish_memory_probe(device: torch.device, start: int | None,
     return float(free + cached), grown / max(1, peak_held)
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on ``device`` (a GPU's streams; nothing on the CPU): a step's
+    end, timed."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def allocator_peak_bytes(device: torch.device) -> int | None:
     """The CUDA caching allocator's peak allocated bytes on ``device`` since the last
     ``start_memory_probe`` (``torch.cuda.max_memory_allocated``); None on the CPU."""
