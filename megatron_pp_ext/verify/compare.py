@@ -106,12 +106,13 @@ def _within(what: str, want, got, allowed: float, floor: float) -> bool:
 
 
 def _step_numbers(ref: dict, cand: dict, k: int) -> list[tuple]:
-    """(what, reference, candidate, where, absolute floor) of step k."""
+    """(what, reference, candidate, where, absolute floor) of step k, in the order a first
+    difference is looked for: the counts, the loss, each parameter's gradient, the grad
+    norm."""
     r, c = ref["steps"][k], cand["steps"][k]
     numbers = [("microbatches", r["microbatches"], c["microbatches"], "", 0.0),
                ("skipped", r["skipped"], c["skipped"], "", 0.0),
-               ("loss", r["loss"], c["loss"], "", 0.0),
-               ("grad norm", r["grad_norm"], c["grad_norm"], "", 0.0)]
+               ("loss", r["loss"], c["loss"], "", 0.0)]
     scale = r["grad_norm"] or 0.0
     ref_norms, cand_norms = ref["param_norms"][k], cand["param_norms"][k]
     for key in sorted(set(ref_norms) | set(cand_norms)):
@@ -123,7 +124,8 @@ def _step_numbers(ref: dict, cand: dict, k: int) -> list[tuple]:
             where = (f"pipeline rank {pp} (stage {stage}), tp {tp}" + (f", ep {ep}" if ep else "")
                      if pp is not None else f"tp {tp}: missing from the candidate")
             numbers.append((f"gradient of {name}", want, got, where, scale))
-    return numbers
+    # last: a parameter that differs names where; the grad norm then only says that it does
+    return numbers + [("grad norm", r["grad_norm"], c["grad_norm"], "", 0.0)]
 
 
 def compare_runs(ref: dict, cand: dict, tolerance: Tolerance) -> Verdict:

@@ -1,0 +1,62 @@
+"""Faults injected into one ``verify`` run, for the tests that hold ``verify`` to catching them:
+each is a rank function that breaks the plugin's run on one pipeline rank (in that rank's
+process only) and then runs the real ``verify`` rank (``megatron_pp_ext.verify.rank``).
+
+* :func:`rank_without_one_w`: pipeline rank ``pp_rank`` leaves microbatch ``microbatch``'s
+  weight gradient out of its first step (the W runs, its gradients are put back before
+  Megatron's gradient sync sees them), as a schedule that lost a W would;
+* :func:`rank_that_stops_answering`: pipeline rank ``pp_rank`` stops before its forward of
+  microbatch ``microbatch`` in its second step (one chunk per rank; it sleeps), as a hung GPU
+  would (the second: the plugin's first step waits three times longer).
+"""
+
+from __future__ import annotations
+
+import time
+
+
+def _pipeline_rank() -> int:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_pipeline_model_parallel_rank()
+
+
+def rank_without_one_w(rank, world_size, run, device=None, pp_rank=1, microbatch=0):
+    from megatron_pp_ext.integration.megatron_stage import MegatronStageWork
+    from megatron_pp_ext.verify.rank import run_verify_rank
+
+    original = MegatronStageWork.weight
+    left_out = []
+
+    def weight(self, action):
+        if left_out or action.microbatch != microbatch or _pipeline_rank() != pp_rank:
+            return original(self, action)
+        index = self._chunk(action.stage)
+        before = {p: p.main_grad.clone() for p in self.chunks[index].parameters()
+                  if getattr(p, "main_grad", None) is not None}
+        self.weight_split.backward_weight(action, index)
+        for param, grad in before.items():  # the W's contribution, left out
+            param.main_grad.copy_(grad)
+        left_out.append(action)
+        self.grad_sync.after(action)
+
+    MegatronStageWork.weight = weight
+    return run_verify_rank(rank, world_size, run, device)
+
+
+def rank_that_stops_answering(rank, world_size, run, device=None, pp_rank=0, microbatch=2):
+    from megatron_pp_ext.integration.megatron_stage import MegatronStageWork
+    from megatron_pp_ext.verify.rank import run_verify_rank
+
+    original = MegatronStageWork.forward
+    seen = []
+
+    def forward(self, action, *args, **kwargs):
+        if action.microbatch == microbatch and _pipeline_rank() == pp_rank:
+            seen.append(action)
+            if len(seen) == 2:
+                time.sleep(3600)  # the spawn harness stops this rank once its peer reported
+        return original(self, action, *args, **kwargs)
+
+    MegatronStageWork.forward = forward
+    return run_verify_rank(rank, world_size, run, device)
