@@ -58,7 +58,8 @@ def _share_runs_across_workers(config) -> None:
 #: (rather than one worker finishing a 60 s module while the other waits); a module's fixtures
 #: are built once, on its worker. Others keep their order.
 LONGEST_FIRST = (
-    "test_slurm", "test_pretrain_loop", "test_post_validation", "test_nccl_rules",
+    "test_slurm", "test_pretrain_loop", "test_verify", "test_pretrain_gpt_script",
+    "test_post_validation", "test_nccl_rules",
     "test_train_cli", "test_nccl_rules_gloo", "test_memory_train",
     "test_megatron_cpu_reference", "test_moe", "test_failures", "test_checkpoint_resume",
     "test_lowering_pass", "test_wgrad_layers", "test_pipedream_train", "test_model_costs",

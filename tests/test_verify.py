@@ -201,3 +201,30 @@ def test_tensor_and_expert_parallel_jobs(tmp_path_factory, name, schedule, world
         assert any(entry["name"].startswith("mtp.") for entry in norms.values())
     else:  # each expert-parallel rank's experts
         assert {entry["ep"] for entry in norms.values() if "experts" in entry["name"]} == {0, 1}
+
+
+# ------------------------------------------------------------------ under a launcher
+
+
+def test_under_torchrun_each_rank_runs_each_run_as_a_child(tmp_path):
+    """``torchrun --nproc-per-node 2 -m megatron_pp_ext verify`` (gloo on the CPU here; NCCL
+    on GPUs): each rank starts one child per run on a rendezvous port of its own, rank 0
+    compares and reports; the verdict and the exit status are the local launch's."""
+    import subprocess
+    import sys
+
+    from megatron_pp_ext.train.processes import free_port
+
+    out = tmp_path / "out"
+    job = [*_job(), "--num-workers", "0"]
+    done = subprocess.run(
+        [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc-per-node", "2",
+         "--master-port", str(free_port()), "-m", "megatron_pp_ext", "verify", "--schedule",
+         "zb-h1", "--out", str(out), "--", *job],
+        capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.stdout.count("verify: reference run: Megatron's 1F1B, 3 steps") == 1
+    assert "VERDICT: IDENTICAL: zb-h1 against Megatron's 1F1B, 3 steps" in done.stdout
+    summary = json.loads((out / "verify.json").read_text())
+    assert summary["world_size"] == 2 and summary["verdict"] == IDENTICAL
+    assert not any("--num-workers 0: local processes" in note for note in summary["notes"])

@@ -88,7 +88,8 @@ def verify(settings: VerifySettings, targets: dict | None = None) -> int:
     records = {}
     try:
         for index, run in enumerate(plan.runs):
-            _say(f"{run.name} run: {run.title}, {run.steps} steps")
+            if launch.rank == 0:
+                _say(f"{run.name} run: {run.title}, {run.steps} steps")
             if launch.kind == "local":
                 target = (targets or {}).get(run.name, VERIFY_RANK)
                 records[run.name] = run_local(plan, run, target)
