@@ -14,7 +14,10 @@ a module of their own:
    wait (``bench/gpu_streams.py``), and what an MoE F&B pair in Megatron's plan order hides of
    its all-to-alls on two streams (``bench/gpu_moe.py``: at least 80 %);
 3. real NCCL where torch sees 2 or more GPUs, 2 spawned ranks (``bench/gpu_nccl.py``);
-   else NOT RUN and why (never counted as a pass).
+   else NOT RUN and why (never counted as a pass);
+4. ``verify`` on 2 GPUs: Megatron-LM's own pretrain_gpt.py under Megatron's 1F1B and zb-h1
+   (NCCL, Transformer Engine where installed), the verdict, both step times and CUDA's peak
+   memory per rank (``bench/gpu_verify.py``); NOT RUN as part 3.
 
 The summary: ``bench/gpu_summary.py``. No network; nothing is written except a temporary
 folder for the NCCL ranks' results.
@@ -41,6 +44,7 @@ from bench.gpu_nccl import (NCCL_WORLD, NOT_RUN, NcclPart, _nccl_rank,  # noqa: 
 from bench.gpu_streams import (CudaStreamFabric, rank_stream, stream_check,  # noqa: E402
                                stream_part)
 from bench.gpu_summary import print_summary  # noqa: E402
+from bench.gpu_verify import verify_part  # noqa: E402
 from bench.gpu_timing import (KINDS, ActionTimer, TimedWork, format_ms,  # noqa: E402
                               merge_ms, merge_runs_ms)
 
@@ -118,7 +122,9 @@ def main(argv=None) -> int:
     for run in nccl.runs:
         print("  " + run.line(), flush=True)
 
-    ok = print_summary(header, runs, stream_status, stream_detail, nccl, cuda, started)
+    print("[4] verify through pretrain_gpt.py, 2 GPUs", flush=True)
+    verify = verify_part(args.no_nccl)
+    ok = print_summary(header, runs, stream_status, stream_detail, nccl, cuda, started, verify)
     return 0 if ok else 1
 
 

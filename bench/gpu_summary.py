@@ -43,9 +43,10 @@ def print_nccl(nccl) -> None:
 
 
 def print_summary(header: str, runs, stream_status: str, stream_detail: str, nccl,
-                  cuda: bool, started: float) -> bool:
-    """The summary after the parts (``started``: their perf_counter start); True: all passed
-    (a part NOT RUN is said so, not counted as a failure)."""
+                  cuda: bool, started: float, verify=(NOT_RUN, "not asked")) -> bool:
+    """The summary after the parts (``started``: their perf_counter start; ``verify``: part
+    4's status and what it says); True: all passed (a part NOT RUN is said so, not counted as
+    a failure)."""
     failed = [run for run in runs if not run.ok]
     print()
     print("=" * 100)
@@ -53,10 +54,12 @@ def print_summary(header: str, runs, stream_status: str, stream_detail: str, ncc
     print_schedules(runs, cuda)
     print(f"{stream_status:<5} CUDA stream check: {stream_detail}")
     print_nccl(nccl)
+    print(f"{verify[0]:<5} verify on GPUs (pretrain_gpt.py): {verify[1]}")
     not_run = [label for label, status in (("CUDA stream check", stream_status),
-                                           ("real NCCL part", nccl.status))
+                                           ("real NCCL part", nccl.status),
+                                           ("verify on GPUs", verify[0]))
                if status == NOT_RUN]
-    ok = not failed and stream_status != "FAIL" and nccl.status != "FAIL"
+    ok = not failed and "FAIL" not in (stream_status, nccl.status, verify[0])
     ran = f"{NOT_RUN}: {', '.join(not_run)}" if not_run else "every part ran"
     print(f"RESULT: {'PASS' if ok else 'FAIL'} ({len(runs) - len(failed)} of {len(runs)} "
           f"fabric runs passed; {ran}) in {time.perf_counter() - started:.1f} s")

@@ -44,6 +44,8 @@ def test_cpu_part_passes_and_says_what_did_not_run():
     if torch.cuda.device_count() < 2:
         assert re.search(r"^NOT RUN real NCCL \(multi-GPU\) part: torch sees \d GPU\(s\)",
                          summary, re.M), summary
+        assert re.search(r"^NOT RUN verify on GPUs \(pretrain_gpt.py\): torch sees \d GPU\(s\)",
+                         summary, re.M), summary
     assert re.search(r"^RESULT: PASS \(14 of 14 fabric runs passed; NOT RUN: ", summary, re.M)
 
 

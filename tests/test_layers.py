@@ -21,7 +21,7 @@ LAYERS = {
     "runtime": 3, "device": 3, "megatron_compat": 3,
     "integration": 4,
     "planner": 5,
-    "models": 6, "train": 6, "commands": 6, "cli": 6, "__main__": 6, "run": 6,
+    "models": 6, "train": 6, "verify": 6, "commands": 6, "cli": 6, "__main__": 6, "run": 6,
 }
 ROOT_LAYER = 7
 
@@ -41,6 +41,7 @@ DEFERRED: dict[tuple[str, str], str] = {
     ("commands.common", "planner.pretrain_select"):
         "Megatron-LM's argument parser: only `select/compare -- <pretrain_gpt.py args>` read it",
     ("commands.train", "train.launcher"): "torch and Megatron: only `train` runs them",
+    ("commands.verify", "verify.launch"): "torch and Megatron: only `verify` runs them",
     ("integration.megatron_args", "integration.install"):
         "install() patches megatron.training; the argument group is read without it",
     ("train.async_loop", "models.tiny_gpt"): _RANK_ONLY,

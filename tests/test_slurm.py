@@ -130,6 +130,34 @@ def test_gpu_job_launches_one_torchrun_per_node():
     assert args[args.index("--pipeline-schedule") + 1] == "zb-h1"
 
 
+def test_gpu_job_verify_mode_launches_verify_on_the_same_job():
+    """VERIFY=1: one torchrun per node runs ``-m megatron_pp_ext verify`` on the job's
+    arguments (the model, the data, the parallel sizes, the timeouts), which verify turns into
+    Megatron's 1F1B and the schedule's run: planned here as the ranks will (16 GPUs, dp 2)."""
+    from megatron_pp_ext.cli import build_parser
+    from megatron_pp_ext.verify.runs import plan_verify
+    from megatron_pp_ext.verify.settings import settings_from_namespace
+
+    launch = _gpu_launch(dict(SLURM_NNODES="2", GPUS_PER_NODE="8", SCHEDULE="zb-v", VERIFY="1",
+                              VERIFY_LAYERS="8", P2P_TIMEOUT_S="200"))
+    at = launch.index("verify")
+    assert launch[at - 2:at] == ["-m", "megatron_pp_ext"]
+    assert "torchrun --nnodes 2 --nproc-per-node 8" in " ".join(launch[:at])
+    args = build_parser().parse_args(launch[at:])
+    args.job = args.job[1:]  # the "--"
+    plan = plan_verify(settings_from_namespace(args), launched_world=16)
+    reference, candidate = (list(run.argv) for run in plan.runs)
+    assert (plan.world_size, args.steps, args.num_layers, args.p2p_timeout_s) == (16, 5, 8, 200)
+    assert "--pipeline-schedule" not in reference
+    assert "--num-virtual-stages-per-pipeline-rank" not in reference
+    assert candidate[candidate.index("--pipeline-schedule") + 1] == "zb-v"
+    assert candidate[candidate.index("--num-virtual-stages-per-pipeline-rank") + 1] == "2"
+    assert candidate[candidate.index("--pp-p2p-timeout-s") + 1] == "200"
+    for argv in (reference, candidate):
+        assert argv[argv.index("--distributed-timeout-minutes") + 1] == "10"
+        assert argv[argv.index("--num-layers") + 1] == "8"
+
+
 def test_gpu_job_refuses_sizes_that_do_not_divide():
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     env.update(DRY_RUN="1", SLURM_NNODES="1", GPUS_PER_NODE="8", TP="3", PP="4")

@@ -6,8 +6,9 @@ Each case calls ``megatron_pp_ext.verify.launch.verify`` in this process, as ``p
 megatron_pp_ext verify`` does without a launcher (local gloo processes, 2 or 4 per run). The
 job is the tests' tiny GPT (support.megatron_loop.pretrain_argv: bf16, the distributed
 optimizer, --clip-grad 1.0) given as ``pretrain_gpt.py <args>`` with the release's own script.
-Faults are injected by rank functions of support.verify_faults (one W left out on one rank; a
-rank that stops answering), on the candidate run only. Not run here: NCCL, CUDA's peak memory
+Its ranks run with the tests' CPU patches (support.verify_ranks: the loop's short-document mock
+corpus, whose index cache they share); faults are injected by rank functions of the same
+module (one W left out on one rank; a rank that stops answering), on the candidate run only. Not run here: NCCL, CUDA's peak memory
 and Transformer Engine (bench/gpu_check.py runs verify where a GPU is at hand).
 """
 
@@ -43,10 +44,14 @@ def _job(pp=2, dp=1, extra=(), overlap=True):
 _RESULTS: dict = {}
 
 
-def _verify(tmp_path_factory, schedule, job, targets=None, **settings):
-    """(exit status, verify.json, the screen) of one verify, once per case a module."""
-    key = (schedule, tuple(job), tuple(sorted((targets or {}).items())),
-           tuple(sorted(settings.items())))
+AS_THE_TESTS_RUN = RankFunction("support.verify_ranks", "rank_as_the_tests_run")
+
+
+def _verify(tmp_path_factory, schedule, job, candidate=AS_THE_TESTS_RUN, **settings):
+    """(exit status, verify.json, the screen) of one verify, once per case a module; the
+    candidate's ranks run ``candidate``."""
+    targets = {"reference": AS_THE_TESTS_RUN, "candidate": candidate}
+    key = (schedule, tuple(job), repr(candidate), tuple(sorted(settings.items())))
     if key not in _RESULTS:
         out = tmp_path_factory.mktemp("verify")
         screen = io.StringIO()
@@ -147,14 +152,14 @@ def test_the_costs_file_calibrates_select(tmp_path_factory):
     assert all(t > 0 for t in costs.t_f + costs.t_i + costs.t_w)
 
 
-FAULTY_W = RankFunction("support.verify_faults", "rank_without_one_w")
+FAULTY_W = RankFunction("support.verify_ranks", "rank_without_one_w")
 
 
 def test_one_left_out_weight_gradient_is_named(tmp_path_factory):
     """zb-h1 with microbatch 0's W left out on pipeline rank 1 (its first step): DIFFERENT at
     step 1, a parameter of stage 1 named, exit status 1."""
     code, summary, screen, _ = _verify(tmp_path_factory, "zb-h1", _job(overlap=False),
-                                       targets={"candidate": FAULTY_W})
+                                       candidate=FAULTY_W)
     assert (summary["verdict"], code) == (DIFFERENT, 1)
     first = summary["first_difference"]
     assert first["step"] == 1 and first["what"].startswith("gradient of ")
@@ -162,7 +167,7 @@ def test_one_left_out_weight_gradient_is_named(tmp_path_factory):
     assert "first difference: step 1: gradient of" in screen
 
 
-HANGS = RankFunction("support.verify_faults", "rank_that_stops_answering")
+HANGS = RankFunction("support.verify_ranks", "rank_that_stops_answering")
 
 
 def test_a_rank_that_stops_answering_is_reported_as_a_hang(tmp_path_factory):
@@ -172,7 +177,7 @@ def test_a_rank_that_stops_answering_is_reported_as_a_hang(tmp_path_factory):
     global rank 0 serves the job's store and stays up for its peers' explanations, here for
     one that never comes, which would only make the test longer.)"""
     code, summary, screen, _ = _verify(tmp_path_factory, "1f1b", _job(),
-                                       targets={"candidate": HANGS}, p2p_timeout_s=2.0)
+                                       candidate=HANGS, p2p_timeout_s=2.0)
     assert (summary["verdict"], code) == ("HANG", 1)
     assert summary["run"] == "candidate"
     assert "pipeline rank 1 waited 2.0 s for rank 0 and gave up: pending 1F2" in summary["error"]
@@ -216,7 +221,8 @@ def test_under_torchrun_each_rank_runs_each_run_as_a_child(tmp_path):
     from megatron_pp_ext.train.processes import free_port
 
     out = tmp_path / "out"
-    job = [*_job(), "--num-workers", "0"]
+    # its children run Megatron's own mock corpus: an index cache of their own
+    job = [*_job(), "--num-workers", "0", "--data-cache-path", str(tmp_path / "cache")]
     done = subprocess.run(
         [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc-per-node", "2",
          "--master-port", str(free_port()), "-m", "megatron_pp_ext", "verify", "--schedule",

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..verify.runs import AGAINST, VerifySettings, settings_from_namespace
+from ..verify.settings import AGAINST, VerifySettings, settings_from_namespace
 
 DEFAULTS = VerifySettings(schedule="", job_argv=[])
 

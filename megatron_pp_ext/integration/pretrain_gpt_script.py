@@ -15,6 +15,10 @@ import time
 from functools import partial
 from typing import Any, Callable, Optional
 
+from .. import megatron_compat
+from .pretrain_entry import run_pretrain
+from .script_batches import adapt_pretrain_gpt_for_args
+
 
 def import_pretrain_gpt():
     """Megatron-LM's ``pretrain_gpt`` module (its ``__main__`` block is not run); a
@@ -35,10 +39,6 @@ def run_pretrain_gpt(main_entry_time: Optional[float] = None,
     arguments in ``sys.argv``."""
     gpt = import_pretrain_gpt()
     from megatron.training import inprocess_restart, pretrain, set_startup_timestamps
-
-    from .. import megatron_compat
-    from .pretrain_entry import run_pretrain
-    from .script_batches import adapt_pretrain_gpt_for_args
 
     megatron_compat.check_supported()
     entry = main_entry_time or time.time()

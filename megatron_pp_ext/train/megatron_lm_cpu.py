@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from .cpu_shims import NullEvent, NullStream, _CpuTorchProxy, _on_cpu, apply_cpu_shims
+
 
 
 def _cpu_tensor_cuda(self, device=None, non_blocking=False, **kwargs):
@@ -44,7 +46,6 @@ def _patch_table() -> list[tuple[Any, str, Any, str]]:
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
     from megatron.training import arguments, initialize, training
 
-    from .cpu_shims import NullEvent, NullStream, _CpuTorchProxy, _on_cpu
 
     init = functools.partial(training.initialize_megatron, allow_no_cuda=True)
     return [
@@ -204,8 +205,6 @@ _APPLIED: list[tuple[Any, str, Any]] = []
 def apply_megatron_lm_cpu_patches() -> None:
     """Megatron-Core's CPU shims (``cpu_shims``), then the loop's own patches above. For a
     rank process on the CPU only (never undone: the process ends with the run)."""
-    from .cpu_shims import apply_cpu_shims
-
     apply_cpu_shims(force=True)
     if _APPLIED:
         return

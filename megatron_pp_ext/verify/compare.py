@@ -48,11 +48,14 @@ def tolerance_for(argv) -> Tolerance:
     fp16_grads = params == "fp16" and "--accumulate-allreduce-grads-in-fp32" not in argv
     grads = "fp16" if fp16_grads else "fp32"
     first = 64 * EPS["fp32"] if grads == "fp32" else 4 * EPS["fp16"]
-    later_loss = max(first, {"bf16": 1e-4, "fp16": 2e-5, "fp32": 1e-6}[params])
+    later_loss = {"bf16": 1e-4, "fp16": 2e-5, "fp32": 1e-6}[params]
     later_grad = max(first, {"bf16": 2e-3, "fp16": 1e-3, "fp32": 1e-5}[params])
     reason = (f"gradients accumulated in {grads}, parameters in {params}: step 1 within "
               f"{first:.1e} (the sums' order), later steps the weights' {params} rounding "
               f"(losses {later_loss:.0e}, grad norms {later_grad:.0e})")
+    if any(str(arg).startswith("--fp8") for arg in argv):
+        reason += ("; FP8 is not accounted for (its scaling factors follow the GEMMs' order, "
+                   "which a schedule changes): a difference may be FP8's own")
     return Tolerance(first, later_loss, later_grad, reason)
 
 

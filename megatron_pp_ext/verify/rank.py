@@ -15,6 +15,12 @@ import json
 import os
 import sys
 
+import torch
+
+from .. import device as device_helper
+from ..integration.pretrain_gpt_script import run_pretrain_gpt
+from ..train.megatron_lm_cpu import apply_megatron_lm_cpu_patches, prepare_cpu_environment
+from ..train.quiet import hide_megatron_warnings
 from .recorder import RunRecorder
 from .runs import VerifyRun
 
@@ -32,14 +38,8 @@ def _progress(run: VerifyRun, step: int, record: dict) -> None:
 def run_verify_rank(rank: int, world_size: int, run: VerifyRun, device=None) -> dict | None:
     """Run ``run`` on this rank (its process group already joined); the merged record on
     rank 0, None elsewhere."""
-    import torch
-
-    from ..integration.pretrain_gpt_script import run_pretrain_gpt
-
     device = device or torch.device("cpu")
     if device.type == "cpu":
-        from ..train.megatron_lm_cpu import apply_megatron_lm_cpu_patches, prepare_cpu_environment
-
         apply_megatron_lm_cpu_patches()
         prepare_cpu_environment()
     if run.script_dir and run.script_dir not in sys.path:
@@ -60,9 +60,6 @@ def main(argv: list[str] | None = None) -> int:
     import datetime
 
     import torch.distributed as dist
-
-    from .. import device as device_helper
-    from ..train.quiet import hide_megatron_warnings
 
     run_path, out_path = (argv or sys.argv[1:])[:2]
     with open(run_path) as f:

@@ -13,7 +13,6 @@ chunks its layout needs, and traces its steps.
 
 from __future__ import annotations
 
-import argparse
 import os
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -21,6 +20,7 @@ from typing import Sequence
 from ..integration.megatron_args import resolve_schedule_value, schedule_options_from_args
 from ..planner.pretrain_args import derive_sizes, parse_pretrain_args
 from ..schedules import AUTO, DUAL_LAYOUT, REGISTRY
+from .settings import AGAINST, VerifySettings
 
 #: the flags that set a run's virtual pipeline stages
 VP_FLAGS = ("--num-virtual-stages-per-pipeline-rank", "--num-layers-per-virtual-pipeline-stage")
@@ -35,21 +35,6 @@ SIDE_EFFECT_FLAGS = {"--save": 1, "--save-interval": 1, "--exit-interval": 1,
 #: the plugin's own flags, which verify sets for the candidate run
 PLUGIN_FLAGS = {"--pipeline-schedule": 1, "--pp-trace": 0, "--pp-trace-dir": 1,
                 "--pp-p2p-timeout-s": 1}
-AGAINST = ("1f1b", "interleaved")
-
-
-@dataclass
-class VerifySettings:
-    schedule: str
-    job_argv: list[str]
-    against: str | None = None  # default: interleaved for interleaved, else 1f1b
-    steps: int = 3
-    num_layers: int | None = None
-    out: str = "out/verify"
-    world_size: int | None = None  # local launch: processes (default tp x pp x cp)
-    p2p_timeout_s: float = 120.0
-    run_timeout_s: float = 1800.0
-    keep_dropout: bool = False
 
 
 @dataclass(frozen=True)
@@ -235,10 +220,3 @@ def plan_verify(settings: VerifySettings, launched_world: int | None = None) -> 
             VerifyRun("candidate", schedule, schedule, schedule, tuple(candidate), script_dir,
                       settings.steps)]
     return VerifyPlan(settings, runs, sizes.world_size, sizes.world_from, notes + sizes.notes)
-
-
-def settings_from_namespace(args: argparse.Namespace) -> VerifySettings:
-    return VerifySettings(schedule=args.schedule, job_argv=list(args.job), against=args.against,
-                          steps=args.steps, num_layers=args.num_layers, out=args.out,
-                          world_size=args.world_size, p2p_timeout_s=args.p2p_timeout_s,
-                          run_timeout_s=args.timeout_s, keep_dropout=args.keep_dropout)

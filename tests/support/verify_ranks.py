@@ -1,6 +1,13 @@
-"""Faults injected into one ``verify`` run, for the tests that hold ``verify`` to catching them:
-each is a rank function that breaks the plugin's run on one pipeline rank (in that rank's
-process only) and then runs the real ``verify`` rank (``megatron_pp_ext.verify.rank``).
+"""The rank functions the tests give ``verify`` (its ``targets``), each ending in the real
+``verify`` rank (``megatron_pp_ext.verify.rank``):
+
+* :func:`rank_as_the_tests_run`: with the tests' CPU patches (support.megatron_loop): the mock
+  corpus of short documents, whose index the loop's runs cache under the same
+  ``--data-cache-path`` (Megatron's cache key does not tell the two corpora apart: a verify
+  rank with Megatron's own corpus would load the loop's index, or leave its own for them);
+
+and the faults injected into one run, for the tests that hold ``verify`` to catching them,
+each breaking the plugin's run on one pipeline rank (in that rank's process only):
 
 * :func:`rank_without_one_w`: pipeline rank ``pp_rank`` leaves microbatch ``microbatch``'s
   weight gradient out of its first step (the W runs, its gradients are put back before
@@ -21,9 +28,16 @@ def _pipeline_rank() -> int:
     return parallel_state.get_pipeline_model_parallel_rank()
 
 
+def rank_as_the_tests_run(rank, world_size, run, device=None):
+    from megatron_pp_ext.verify.rank import run_verify_rank
+    from support.megatron_loop import apply_cpu_patches
+
+    apply_cpu_patches()
+    return run_verify_rank(rank, world_size, run, device)
+
+
 def rank_without_one_w(rank, world_size, run, device=None, pp_rank=1, microbatch=0):
     from megatron_pp_ext.integration.megatron_stage import MegatronStageWork
-    from megatron_pp_ext.verify.rank import run_verify_rank
 
     original = MegatronStageWork.weight
     left_out = []
@@ -41,12 +55,11 @@ def rank_without_one_w(rank, world_size, run, device=None, pp_rank=1, microbatch
         self.grad_sync.after(action)
 
     MegatronStageWork.weight = weight
-    return run_verify_rank(rank, world_size, run, device)
+    return rank_as_the_tests_run(rank, world_size, run, device)
 
 
 def rank_that_stops_answering(rank, world_size, run, device=None, pp_rank=0, microbatch=2):
     from megatron_pp_ext.integration.megatron_stage import MegatronStageWork
-    from megatron_pp_ext.verify.rank import run_verify_rank
 
     original = MegatronStageWork.forward
     seen = []
@@ -59,4 +72,4 @@ def rank_that_stops_answering(rank, world_size, run, device=None, pp_rank=0, mic
         return original(self, action, *args, **kwargs)
 
     MegatronStageWork.forward = forward
-    return run_verify_rank(rank, world_size, run, device)
+    return rank_as_the_tests_run(rank, world_size, run, device)
