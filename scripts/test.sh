@@ -11,21 +11,24 @@
 #    slurm-wlm + munge if missing) for tests/test_slurm.py, and stops it on exit (namespaces
 #    and links removed); a SLURM already running from $LOCAL_SLURM_DIR is used and left running;
 # 3. runs .venv/bin/python -m pytest -q -n W --dist loadscope --no-loadscope-reorder
-#    --durations=15 tests (W pytest-xdist workers: the CPU count, at most 4; each worker takes a
+#    --durations=15 tests (W pytest-xdist workers: the CPU count, at most 4, or
+#    $MEGATRON_PP_TEST_WORKERS; each worker takes a
 #    whole module at a time in collection order, which conftest.py makes longest module first,
 #    so a module's shared results are built once; the 15 slowest tests listed), and exits
 #    with pytest's status.
-# 4. then the release matrix: the tests conftest.RELEASE_WINDOW names, on each other release
-#    of the supported window (support.megatron_releases.WINDOW: megatron-core 0.17.x, 0.18.x),
-#    each wheel installed once into .venv/megatron-releases/ and put first on PYTHONPATH;
-#    the releases run side by side (one pytest process each); the exit status is non-zero
-#    when any run failed.
+# 4. beside step 3, the release matrix: the tests conftest.RELEASE_WINDOW names, on each other
+#    release of the supported window (support.megatron_releases.WINDOW: megatron-core 0.17.x,
+#    0.18.x), each wheel installed once into .venv/megatron-releases/ and put first on
+#    PYTHONPATH; the releases run side by side (one pytest process each), started with the
+#    main run (its SLURM tests mostly wait, its last minute leaves a core idle: the matrix
+#    fills that time); their output is printed after the main run's; the exit status is
+#    non-zero when any run failed.
 #    Most tests are one process on one core (the executor's threads share the GIL), so two
 #    workers keep both cores busy; the multi-process ones (gloo ranks, the CLI's) take both
 #    cores anyway.
 # Steps 1 and 2 overlap: chromium and then the cluster (apt-get, one at a time) come in the
 # background while setup_env.sh builds .venv/ (pip), and the release matrix's wheels are
-# installed while step 3 runs: on a fresh clone or machine no download waits for another.
+# installed while step 3 starts: on a fresh clone or machine no download waits for another.
 # If SLURM cannot be started the tests still run; the SLURM tests then fail and say why.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -67,9 +70,9 @@ fi
 system_log=$(mktemp)
 ( install_chromium; [ "$own_cluster" = 0 ] || start_cluster ) >"$system_log" 2>&1 &
 system_pid=$!
-overlay_pid=
+matrix_pid=
 finish() {
-  wait $system_pid $overlay_pid 2>/dev/null || true  # nothing of theirs left behind
+  wait $system_pid $matrix_pid 2>/dev/null || true  # nothing of theirs left behind
   [ "$own_cluster" = 0 ] || bash "$CLUSTER" stop || true
   rm -f "$system_log"
 }
@@ -82,7 +85,7 @@ cat "$system_log"
 [ "$setup_rc" = 0 ] || exit "$setup_rc"
 eval "$(bash "$CLUSTER" env)"  # SLURM_CONF for sbatch/sinfo in the tests
 
-workers=$(nproc 2>/dev/null || echo 2)
+workers=${MEGATRON_PP_TEST_WORKERS:-$(nproc 2>/dev/null || echo 2)}
 [ "$workers" -le 4 ] || workers=4
 matrix=${MEGATRON_PP_RELEASE_MATRIX:-0}
 [ $# -gt 0 ] || { matrix=1; set -- -q -n "$workers" --dist loadscope --no-loadscope-reorder --durations=15 \
@@ -90,38 +93,39 @@ matrix=${MEGATRON_PP_RELEASE_MATRIX:-0}
 if [ "$matrix" = 1 ]; then
   releases=$(.venv/bin/python -c 'import sys; sys.path.insert(0, "tests")
 from support.megatron_releases import WINDOW; print(*WINDOW)')
-  # the window's wheels, while the main run runs (the loop below installs any that failed
-  # here, and says why)
-  .venv/bin/python tests/support/megatron_releases.py $releases >/dev/null 2>&1 &
-  overlay_pid=$!
 fi
-rc=0
-.venv/bin/python -m pytest "$@" || rc=$?
-echo "test.sh: pytest exit $rc"
 # The release matrix: the window's tests (conftest.RELEASE_WINDOW) on each other release of
 # the supported window, its wheel installed once into .venv/megatron-releases/ and put first
 # on PYTHONPATH (no second torch). Only with the default arguments (or
-# MEGATRON_PP_RELEASE_MATRIX=1).
-if [ "$matrix" = 1 ]; then
-  # The releases run side by side, one pytest worker each: each collects the tests once (12 s
-  # of CPU a process), and one release's tail fills the other's idle core. Each one's output
-  # is printed whole once it ends.
-  wait "$overlay_pid" || true
+# MEGATRON_PP_RELEASE_MATRIX=1). The releases run side by side, one pytest worker each, and
+# beside the main run: its SLURM tests mostly wait on SLURM, and its last minute leaves a core
+# idle; the matrix fills those. Each release's output is printed whole once everything ends.
+logs=$(mktemp -d)
+run_release_matrix() {  # the window's wheels (once), then the releases side by side
+  # (the loop below installs any that failed here, and says why)
+  .venv/bin/python tests/support/megatron_releases.py $releases >/dev/null 2>&1 || true
   # only the modules that hold the window's tests: each process collects those (not all
   # 60 modules, 12 s of CPU)
   window_files=$(.venv/bin/python -c 'import sys; sys.path.insert(0, "tests")
 from conftest import RELEASE_WINDOW
 print(*sorted({"tests/" + selector.split("::")[0] + ".py" for selector, _ in RELEASE_WINDOW}))')
-  logs=$(mktemp -d)
-  pids=()
   for release in $releases; do
     overlay=$(.venv/bin/python tests/support/megatron_releases.py "$release")
     ( PYTHONPATH="$overlay${PYTHONPATH:+:$PYTHONPATH}" .venv/bin/python -m pytest -q \
         -p no:cacheprovider --durations=5 -m release_window $window_files \
         >"$logs/$release.log" 2>&1; echo $? >"$logs/$release.rc" ) &
-    pids+=($!)
   done
-  wait "${pids[@]}" || true
+  wait
+}
+if [ "$matrix" = 1 ]; then
+  run_release_matrix &
+  matrix_pid=$!
+fi
+rc=0
+.venv/bin/python -m pytest "$@" || rc=$?
+echo "test.sh: pytest exit $rc"
+if [ "$matrix" = 1 ]; then
+  wait "$matrix_pid" || true
   for release in $releases; do
     echo "test.sh: megatron-core $release (the release matrix: pytest -m release_window)"
     cat "$logs/$release.log"
@@ -129,6 +133,6 @@ print(*sorted({"tests/" + selector.split("::")[0] + ".py" for selector, _ in REL
     echo "test.sh: megatron-core $release: pytest exit $release_rc"
     [ "$release_rc" = 0 ] || rc=$release_rc
   done
-  rm -rf "$logs"
 fi
+rm -rf "$logs"
 exit "$rc"
