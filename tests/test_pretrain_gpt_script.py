@@ -107,7 +107,8 @@ def test_entry_and_exit_ranks_train_as_megatrons_1f1b(name, world, pp, dp, extra
 
 # ------------------------------------------------------------------ every schedule of the flag
 
-BATCH_SIZE_SCHEDULE = ["--seq-length", "64", "--max-position-embeddings", "64",
+SMALL = ["--num-layers", "4"]  # one layer a stage in the V layouts: these runs are many
+BATCH_SIZE_SCHEDULE = [*SMALL, "--seq-length", "64", "--max-position-embeddings", "64",
                        "--step-batch-size-schedule", "0:2 256:4 768:6 1536:8"]
 COUNTS = [2, 2, 4, 4, 6, 6, 8, 8]  # thresholds in tokens: 256 / 64 = 4 samples, ...
 FIXED_COUNTS = [4, 4, 4]  # before 0.19: no batch-size schedule; m = 4, 3 steps
@@ -131,7 +132,7 @@ def _batch_schedule_argv(schedule, extra=()):
     """pp 2, one replica: Megatron 0.19's batch-size schedule (no --global-batch-size: the
     two may not be given together), or before 0.19 a fixed batch of 4 microbatches."""
     if not _has_batch_size_schedule():
-        return _argv(2, 1, schedule, list(extra), iters=len(FIXED_COUNTS))
+        return _argv(2, 1, schedule, [*SMALL, *extra], iters=len(FIXED_COUNTS))
     argv = _argv(2, 1, schedule, [*BATCH_SIZE_SCHEDULE, *extra], iters=len(COUNTS))
     at = argv.index("--global-batch-size")
     del argv[at:at + 2]

@@ -68,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     backend = device_helper.launcher_backend()
     device = device_helper.bind_local_device(int(os.environ.get("LOCAL_RANK", "0")), backend)
+    if backend == "gloo":  # as the train command's launched ranks: OMP_NUM_THREADS, else one
+        torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=1800))
     record = run_verify_rank(rank, world, run, device)
