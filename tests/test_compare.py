@@ -2,24 +2,24 @@
 
 import json
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from support.cli_run import cli_in_process
+
 from megatron_pp_ext.analysis.simulate import CostModel, simulate
 from megatron_pp_ext.commands.hints import p_exceeds_m_hint
 from megatron_pp_ext.schedules import REGISTRY, build_schedule
 
-ROOT = Path(__file__).resolve().parents[1]
 HINT = ("hint: p=8 > m=4: most ranks idle most of the step; use m >= p "
         "(Megatron needs m >= p for interleaved)")
 
 
 def cli(*args):
-    return subprocess.run([sys.executable, "-m", "megatron_pp_ext", *args], capture_output=True,
-                          text=True, cwd=ROOT, timeout=120)
+    """The command in this process (support.cli_run: what it prints and returns)."""
+    return cli_in_process(*args)
 
 
 def test_every_schedule_side_by_side_with_units():

@@ -9,18 +9,17 @@ figure read back is known in advance.
 """
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from support.cli_run import cli_in_process
 
 from megatron_pp_ext.analysis.costs import load_costs
 from megatron_pp_ext.analysis.render import render_chrome_trace
 from megatron_pp_ext.analysis.simulate import CostModel, simulate
 from megatron_pp_ext.schedules import build_schedule
 
-ROOT = Path(__file__).resolve().parents[1]
 T_COMM = 0.0005
 # 1f1b at p=4: stage = rank
 F = [0.004, 0.005, 0.006, 0.007]
@@ -57,8 +56,8 @@ def fake_run(folder: Path, name: str) -> tuple[Path, object]:
 
 
 def cli(*args):
-    return subprocess.run([sys.executable, "-m", "megatron_pp_ext", *args], capture_output=True,
-                          text=True, cwd=ROOT, timeout=120)
+    """The command in this process (support.cli_run: what it prints and returns)."""
+    return cli_in_process(*args)
 
 
 def one_line_error(done, fragment):

@@ -359,12 +359,10 @@ def test_the_fabric_hangs_where_the_checker_says():
 
 
 def test_cli_prints_the_checked_nccl_program():
-    import subprocess
-    import sys
+    from support.cli_run import cli_in_process
 
-    out = subprocess.run([sys.executable, "-m", "megatron_pp_ext", "simulate", "--schedule",
-                          "1f1b", "-p", "2", "-m", "2", "--nccl-program"],
-                         capture_output=True, text=True, timeout=120)
+    out = cli_in_process("simulate", "--schedule", "1f1b", "-p", "2", "-m", "2",
+                         "--nccl-program")
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines[0].startswith("# 1f1b: megatron posting")

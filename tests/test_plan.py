@@ -2,8 +2,6 @@
 into the plugin's p, m, v, dp and layout, checked, and its activation memory estimated from the
 model's dimensions (Korthikanti et al. 2022, Table 2)."""
 
-import contextlib
-import io
 import re
 import subprocess
 import sys
@@ -15,6 +13,7 @@ from megatron_pp_ext.schedules.validate import peak_activations
 from megatron_pp_ext.planner.pretrain_plan import plan_pretrain, split_launcher
 from megatron_pp_ext.runtime.memory import predicted_peak_bytes
 from megatron_pp_ext.schedules import build_schedule
+from support.cli_run import cli_in_process
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -170,19 +169,6 @@ def cli(*args) -> subprocess.CompletedProcess:
     """The command in a fresh interpreter, as a user runs it."""
     return subprocess.run([sys.executable, "-m", "megatron_pp_ext", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
-
-
-def cli_in_process(*args) -> subprocess.CompletedProcess:
-    """The command's ``main`` in this process (Megatron's parser is imported here already: a
-    fresh interpreter costs ~6 s of CPU for it); what a fresh process prints (no Megatron
-    warnings) is test_cli_plan_prints_the_plan_and_writes_the_timeline's."""
-    from megatron_pp_ext.cli import main
-
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(list(args))
-    return subprocess.CompletedProcess(["megatron_pp_ext", *args], code, out.getvalue(),
-                                       err.getvalue())
 
 
 def test_cli_plan_prints_the_plan_and_writes_the_timeline(tmp_path):

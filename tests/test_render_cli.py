@@ -2,19 +2,18 @@
 
 import json
 import re
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
+
+from support.cli_run import cli_in_process
 
 from megatron_pp_ext.analysis.render import render_ascii, render_chrome_trace, render_html
 from megatron_pp_ext.analysis.simulate import CostModel, simulate
 from megatron_pp_ext.schedules import build_schedule
 from megatron_pp_ext.timeline import COMM_WAIT, P2P, Event, Timeline
 
-ROOT = Path(__file__).resolve().parents[1]
 PEER_CSV = Path(__file__).parent / "data" / "torch_zb1p_2rank_2stagep_compute.csv"
 ONE_F_ONE_B = simulate(build_schedule("1f1b", 4, 8), CostModel(t_f=1, t_b=1))
 
@@ -236,8 +235,8 @@ def test_chrome_trace_p2p_threads():
 
 # ---------------------------------------------------------------- command line
 def cli(*args, check_rc=None):
-    result = subprocess.run([sys.executable, "-m", "megatron_pp_ext", *args], cwd=ROOT,
-                            capture_output=True, text=True, timeout=120)
+    """The command in this process (support.cli_run: what it prints and returns)."""
+    result = cli_in_process(*args)
     if check_rc is not None:
         assert result.returncode == check_rc, result.stderr
     return result

@@ -1,11 +1,11 @@
 """Schedule selection: ranking by predicted step time under a per-rank memory budget."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from support.cli_run import cli_in_process
 
 from megatron_pp_ext.analysis.costs import assume_split
 from megatron_pp_ext.analysis.select import MiB, select_schedules
@@ -167,8 +167,8 @@ def test_nothing_fits():
 
 
 def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "megatron_pp_ext", "select", *args],
-                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    """``select`` in this process (support.cli_run)."""
+    return cli_in_process("select", *args, cwd=ROOT)
 
 
 def test_cli_json_and_text():

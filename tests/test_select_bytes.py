@@ -4,11 +4,11 @@ train summary.json (analysis.costs), and the old MiB flags."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from support.cli_run import cli_in_process
 
 from megatron_pp_ext.analysis.costs import activation_bytes_per_rank, load_costs
 from megatron_pp_ext.analysis.select import MiB, parse_size, select_schedules
@@ -18,8 +18,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _select(*args):
-    return subprocess.run([sys.executable, "-m", "megatron_pp_ext", "select", *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
+    """``select`` in this process (support.cli_run)."""
+    return cli_in_process("select", *args, cwd=REPO)
 
 
 def test_sizes_with_units():

@@ -265,12 +265,10 @@ def test_per_action_overhead_charges_schedules_with_more_actions_more():
 
 # ---------------------------------------------------------------- the command line
 def simulate_cli(*args, cwd=None):
-    import subprocess
-    import sys
+    """``simulate`` in this process (support.cli_run)."""
+    from support.cli_run import cli_in_process
 
-    return subprocess.run([sys.executable, "-m", "megatron_pp_ext", "simulate", *args],
-                          capture_output=True, text=True, timeout=120,
-                          cwd=cwd or Path(__file__).resolve().parents[1])
+    return cli_in_process("simulate", *args, cwd=cwd or Path(__file__).resolve().parents[1])
 
 
 def test_cli_default_costs_v_schedules_and_interleaved_beat_1f1b():

@@ -515,7 +515,8 @@ from .v_layout_models import (  # noqa: E402
 __all__ = [
     "add_pipeline_schedule_args", "install_from_args", "schedule_options_from_args",
     "chain_args_providers", "schedule_choices", "resolve_schedule_value",
-    "adapt_pretrain_gpt_for_args", "adapt_pretrain_gpt_for_v_layout", "model_provider_for_args", "model_provider_from_config",
+    "adapt_pretrain_gpt_for_args", "adapt_pretrain_gpt_for_v_layout", "model_provider_for_args",
+    "model_provider_from_config",
     "pretrain_model_for_args", "sum_tied_embedding_grads", "uses_v_layout", "v_chunk_stage",
     "v_layout_is_first_or_last_stage", "v_layout_model_provider",
 ]
