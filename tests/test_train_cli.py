@@ -121,7 +121,11 @@ def test_train_1f1b_and_zb_v(tmp_path):
     (["--pp", "3", "--layers", "8"], "--layers 8 must be a multiple of pp*v = 3*1"),
 ])
 def test_bad_input_exits_2_with_one_line_before_spawning(args, words):
-    proc = run_train(*args, timeout=60)
+    """(In this process: support.cli_run; a refused command starts nothing either way.)"""
+    from support.cli_run import cli_in_process
+    from support.train_cli import REPO
+
+    proc = cli_in_process("train", *args, cwd=REPO)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and words in lines[0], lines
