@@ -154,23 +154,35 @@ def _resumed_from(checkpoints, schedule=None):
     return _steps(spawn(2, run_pretrain, argv, timeout_s=TIMEOUT))
 
 
-def test_checkpoints_cross_between_megatrons_1f1b_dualpipe_and_zb_v(tmp_path):
-    """A checkpoint is the model, whichever layout wrote it. Megatron's 1F1B's resumes under
-    dualpipe (each part's two copies load the same entries) with the steps of 1F1B resumed
-    from it, bit for bit, and under zb-v (the V layout's stages load their layers by global
-    number) within the V layout's tolerance; dualpipe writes 1F1B's model, which Megatron's
-    1F1B loads and trains exactly as from its own checkpoint of the same step. The optimizer
+@pytest.fixture(scope="module")
+def from_1f1b(tmp_path_factory):
+    """(the checkpoint Megatron's 1F1B wrote at iteration 2, its steps resumed from it)."""
+    written = _written_by(None, tmp_path_factory.mktemp("from-1f1b"))
+    resumed = _resumed_from(written)
+    assert sorted(resumed) == [2, 3, 4]
+    return written, resumed
+
+
+def test_a_1f1b_checkpoint_resumes_under_dualpipe(from_1f1b):
+    """The checkpoint Megatron's 1F1B writes resumes under dualpipe (each part's two copies
+    load the same entries) with the steps of 1F1B resumed from it, bit for bit. The optimizer
     state is left out (--no-load-optim): loading it into another layout needs Megatron's
     fully reshardable format (--dist-ckpt-optim-fully-reshardable), whose load fails on the
     CPU without apex even from 1F1B into 1F1B (KeyError 'step', Megatron-Core 0.19.2)."""
-    written = _written_by(None, tmp_path)
-    from_1f1b = _resumed_from(written)
-    assert sorted(from_1f1b) == [2, 3, 4]
-    assert _resumed_from(written, "dualpipe") == from_1f1b
-    assert _resumed_from(_written_by("dualpipe", tmp_path)) == from_1f1b
+    written, resumed = from_1f1b
+    assert _resumed_from(written, "dualpipe") == resumed
+
+
+def test_checkpoints_cross_between_megatrons_1f1b_dualpipe_and_zb_v(tmp_path, from_1f1b):
+    """A checkpoint is the model, whichever layout wrote it: dualpipe writes 1F1B's model,
+    which Megatron's 1F1B loads and trains exactly as from its own checkpoint of the same
+    step; zb-v resumes from 1F1B's (the V layout's stages load their layers by global number)
+    within the V layout's tolerance."""
+    written, resumed = from_1f1b
+    assert _resumed_from(_written_by("dualpipe", tmp_path)) == resumed
     under_zb_v = _resumed_from(written, "zb-v")
     steps = (2, 3, 4)
     assert_v_trains_as({"lm loss": [under_zb_v[i][0] for i in steps],
                         "grad_norm": [under_zb_v[i][1] for i in steps]},
-                       {"lm loss": [from_1f1b[i][0] for i in steps],
-                        "grad_norm": [from_1f1b[i][1] for i in steps]})
+                       {"lm loss": [resumed[i][0] for i in steps],
+                        "grad_norm": [resumed[i][1] for i in steps]})

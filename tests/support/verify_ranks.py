@@ -4,7 +4,10 @@
 * :func:`rank_as_the_tests_run`: with the tests' CPU patches (support.megatron_loop): the mock
   corpus of short documents, whose index the loop's runs cache under the same
   ``--data-cache-path`` (Megatron's cache key does not tell the two corpora apart: a verify
-  rank with Megatron's own corpus would load the loop's index, or leave its own for them);
+  rank with Megatron's own corpus would load the loop's index, or leave its own for them).
+  A reference run is run once a session per argument set: its merged record is kept in the
+  session's cache folder and handed back by rank 0 to a later verify of the same job (the
+  cases compare several schedules with one job);
 
 and the faults injected into one run, for the tests that hold ``verify`` to catching them,
 each breaking the plugin's run on one pipeline rank (in that rank's process only):
@@ -19,6 +22,8 @@ each breaking the plugin's run on one pipeline rank (in that rank's process only
 
 from __future__ import annotations
 
+import json
+import os
 import time
 
 
@@ -28,12 +33,35 @@ def _pipeline_rank() -> int:
     return parallel_state.get_pipeline_model_parallel_rank()
 
 
+def _kept_record(run):
+    """Where a reference run's merged record is kept this session (None: not kept)."""
+    import hashlib
+    import os
+
+    from support.megatron_loop import MOCK_CACHE_ENV
+
+    folder = os.environ.get(MOCK_CACHE_ENV)
+    if run.name != "reference" or not folder:
+        return None
+    key = hashlib.sha256(json.dumps(list(run.argv)).encode()).hexdigest()[:16]
+    return os.path.join(folder, f"verify-reference-{key}.json")
+
+
 def rank_as_the_tests_run(rank, world_size, run, device=None):
     from megatron_pp_ext.verify.rank import run_verify_rank
     from support.megatron_loop import apply_cpu_patches
 
+    kept = _kept_record(run)
+    if kept is not None and os.path.exists(kept):  # every rank sees it: none runs
+        with open(kept) as f:
+            return json.load(f) if rank == 0 else None
     apply_cpu_patches()
-    return run_verify_rank(rank, world_size, run, device)
+    record = run_verify_rank(rank, world_size, run, device)
+    if kept is not None and record is not None:
+        with open(kept + ".tmp", "w") as f:
+            json.dump(record, f)
+        os.replace(kept + ".tmp", kept)
+    return record
 
 
 def rank_without_one_w(rank, world_size, run, device=None, pp_rank=1, microbatch=0):
