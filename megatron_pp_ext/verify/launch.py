@@ -68,9 +68,11 @@ def run_child(plan: VerifyPlan, run: VerifyRun, launch: Launch, index: int) -> d
     except subprocess.TimeoutExpired:
         raise RunFailed(run, f"rank {launch.rank}: the {run.name} run did not end within "
                         f"{plan.settings.run_timeout_s:g} s (--timeout-s)") from None
-    sys.stderr.write(done.stderr[-20000:])
     if done.returncode != 0:
-        raise RunFailed(run, f"rank {launch.rank}: exit {done.returncode}\n{done.stderr}")
+        log = Path(run.log_dir or "") / f"{run.name}-rank{launch.rank}.log"
+        said = log.read_text()[-20000:] if run.log_dir and log.exists() else ""
+        raise RunFailed(run, f"rank {launch.rank}: exit {done.returncode} (its output: "
+                        f"{log})\n{done.stderr[-6000:]}{said}")
     return json.loads(out.read_text()) if out.exists() else None
 
 
@@ -109,6 +111,7 @@ def _report(plan: VerifyPlan, records: dict) -> int:
     print(text_report(plan, verdict, records, stats), flush=True)
     for path in write_outputs(plan, verdict, records, stats):
         _say(f"wrote {path}")
+    _say(f"the ranks' own output (Megatron's logs): {plan.runs[0].log_dir}/")
     return verdict.exit_code
 
 

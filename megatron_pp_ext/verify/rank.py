@@ -25,14 +25,32 @@ from .recorder import RunRecorder
 from .runs import VerifyRun
 
 
-def _progress(run: VerifyRun, step: int, record: dict) -> None:
-    import torch.distributed as dist
+def _screen_to_log(run: VerifyRun, rank: int):
+    """This rank's output (Megatron's arguments, logs, warnings) into
+    ``run.log_dir/<run>-rank<r>.log``; returns the screen, for the progress lines."""
+    screen = os.fdopen(os.dup(1), "w", buffering=1)
+    if run.log_dir is None:
+        return screen
+    os.makedirs(run.log_dir, exist_ok=True)
+    log = open(os.path.join(run.log_dir, f"{run.name}-rank{rank}.log"), "w")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(log.fileno(), 1)
+    os.dup2(log.fileno(), 2)
+    return screen
 
-    if dist.get_rank() != dist.get_world_size() - 1:  # the rank that holds the loss
-        return
-    loss = "" if record["loss"] is None else f" loss {record['loss']:.6f}"
-    print(f"verify: {run.name} ({run.title}) step {step}/{run.steps}{loss} "
-          f"{record['seconds'] * 1e3:.1f} ms", flush=True)
+
+def _progress_to(screen):
+    def progress(run: VerifyRun, step: int, record: dict) -> None:
+        import torch.distributed as dist
+
+        if dist.get_rank() != dist.get_world_size() - 1:  # the rank that holds the loss
+            return
+        loss = "" if record["loss"] is None else f" loss {record['loss']:.6f}"
+        print(f"verify: {run.name} ({run.title}) step {step}/{run.steps}{loss} "
+              f"{record['seconds'] * 1e3:.1f} ms", file=screen, flush=True)
+
+    return progress
 
 
 def run_verify_rank(rank: int, world_size: int, run: VerifyRun, device=None) -> dict | None:
@@ -45,7 +63,7 @@ def run_verify_rank(rank: int, world_size: int, run: VerifyRun, device=None) -> 
     if run.script_dir and run.script_dir not in sys.path:
         sys.path.insert(0, run.script_dir)
     sys.argv = ["pretrain_gpt.py", *run.argv]
-    recorder = RunRecorder(run, device, progress=_progress)
+    recorder = RunRecorder(run, device, progress=_progress_to(_screen_to_log(run, rank)))
     run_pretrain_gpt(on_args=recorder.install)
     return recorder.gather()
 

@@ -46,6 +46,7 @@ class VerifyRun:
     argv: tuple[str, ...]
     script_dir: str | None
     steps: int
+    log_dir: str | None = None  # each rank's output (Megatron's logs) there, not on the screen
 
 
 @dataclass
@@ -215,8 +216,9 @@ def plan_verify(settings: VerifySettings, launched_world: int | None = None) -> 
                          None, None)
     _check_candidate(candidate, sizes.dp)
     title = "Megatron's 1F1B" if against == "1f1b" else "Megatron's interleaved"
+    logs = os.path.join(settings.out, "logs")
     runs = [VerifyRun("reference", title, None, against, tuple(reference), script_dir,
-                      settings.steps),
+                      settings.steps, logs),
             VerifyRun("candidate", schedule, schedule, schedule, tuple(candidate), script_dir,
-                      settings.steps)]
+                      settings.steps, logs)]
     return VerifyPlan(settings, runs, sizes.world_size, sizes.world_from, notes + sizes.notes)
