@@ -31,6 +31,9 @@ for helper in "$wheel_datasets"/helpers_cpp*.so; do
   [ -e "$stage/megatron/core/datasets/$(basename "$helper")" ] || cp "$helper" "$stage/megatron/core/datasets/"
 done
 export PYTHONPATH="$stage:$tree${PYTHONPATH:+:$PYTHONPATH}"
+# the tests' Megatron-LM loop runs this checkout's own pretrain_gpt.py (tests/support/
+# megatron_lm_scripts.py), not the shared folder's copy of a release
+export MEGATRON_LM_SCRIPT_DIR=$tree
 
 git_dir=$tree
 describe="$(git -C "$git_dir" rev-parse --abbrev-ref HEAD 2>/dev/null || echo '?') $(git -C "$git_dir" log -1 --format='%h %cs' 2>/dev/null || echo '')"

@@ -22,6 +22,9 @@ ROOT = Path(__file__).resolve().parents[2]
 #: a folder holding <version>/pretrain_gpt.py for each release (else the shared folder is
 #: looked for beside the checkout and above it)
 SCRIPTS_ENV = "MEGATRON_LM_SCRIPTS"
+#: a Megatron-LM checkout's root, whose own scripts serve whatever its megatron-core is
+#: (scripts/check_megatron_tree.sh sets it: main has no copy in the shared folder)
+CHECKOUT_ENV = "MEGATRON_LM_SCRIPT_DIR"
 _FILES = ("pretrain_gpt.py", "model_provider.py", "gpt_builders.py")
 
 
@@ -43,6 +46,11 @@ def release_line_version() -> str:
 def scripts_folder(version: str | None = None) -> Path:
     """``shared/megatron-lm/<version>/`` for ``version`` (default: the imported release);
     raises, naming where it looked, when there is none (a test then fails, saying so)."""
+    checkout = os.environ.get(CHECKOUT_ENV)
+    if checkout and version is None:
+        if all((Path(checkout) / name).is_file() for name in _FILES):
+            return Path(checkout)
+        raise FileNotFoundError(f"{CHECKOUT_ENV}={checkout} has no {' / '.join(_FILES)}")
     version = version or release_line_version()
     looked = []
     for base in _candidates():
