@@ -241,8 +241,9 @@ def test_plan_json_of_a_70b_model_on_h100s(capsys):
     stages = plan["stages"]
     assert [s["layers"] for s in stages] == ["E+5t"] + ["5t"] * 14 + ["5t+L"]
     assert [s["rank"] for s in stages] == list(range(8)) + list(range(7, -1, -1))
-    assert stages[15]["t_f_s"] > 1.15 * stages[1]["t_f_s"] and stages[0]["t_f_s"] == \
-        pytest.approx(stages[1]["t_f_s"])
+    # the embedding's stage: its 5 layers and the vocab-parallel embedding's reduce-scatter
+    assert stages[15]["t_f_s"] > 1.15 * stages[1]["t_f_s"]
+    assert stages[1]["t_f_s"] < stages[0]["t_f_s"] < 1.02 * stages[1]["t_f_s"]
     assert plan["gpu"] == "H100" and plan["gpu_memory_bytes"] == 80 * 10**9
     total = [a + s for a, s in zip(plan["peak_activation_bytes"], plan["static_bytes"])]
     # fits: the model's bytes and the reserve (the CUDA context, NCCL, the allocator) in 80 GB
@@ -270,7 +271,8 @@ def test_plan_json_of_an_uneven_layout(capsys):
                       "--gpu-memory", "100GiB", argv=argv)
     assert [s["layers"] for s in plan["stages"]] == ["E+9t", "7t", "7t", "9t+L"]
     t_f = [s["t_f_s"] for s in plan["stages"]]
-    assert t_f[0] == pytest.approx(9 / 7 * t_f[1]) and t_f[3] > t_f[0]
+    # 9 layers for 7 (and the embedding's reduce-scatter)
+    assert t_f[0] == pytest.approx(9 / 7 * t_f[1], rel=0.02) and t_f[3] > t_f[0]
     assert plan["gpu_memory_bytes"] == 100 * 2**30
     assert plan["activation_bytes_per_stage"][0] == pytest.approx(
         9 / 7 * plan["activation_bytes_per_stage"][1], rel=0.01)
@@ -352,6 +354,8 @@ def test_compare_draws_every_schedule_on_the_model(capsys, tmp_path):
                  "--use-distributed-optimizer"]) == 0
     out = capsys.readouterr().out
     rows = [line.split()[:3] for line in out.splitlines() if line[:2] in ("1 ", "2 ", "- ")]
+    # zb-v's smaller bubble beats 1f1b by 0.2%: at m=64 per p=8 most of either step is the
+    # stages' own work and the data-parallel exchange after it
     assert rows == [["1", "zb-v", "2"], ["2", "1f1b", "1"], ["-", "gpipe", "1"]]
     assert page.read_text().count("<svg") == 3
 

@@ -11,7 +11,8 @@ from ..analysis.costs import (MeasuredCosts, activations_in_v1_units, assume_spl
                               format_counts, load_costs)
 from ..analysis.select import MiB, parse_size
 from ..analysis.simulate import CostModel
-from ..planner.gpus import DEFAULT_EFFICIENCY, DEFAULT_RESERVE_BYTES, GPUS
+from ..planner.gpus import DEFAULT_RESERVE_BYTES, GPUS
+from ..planner.machines import PRESETS
 
 
 def cost_value(text: str) -> float | list[float]:
@@ -224,9 +225,14 @@ def add_megatron_args(parser, what: str) -> None:
                        "model's: the CUDA context, NCCL's buffers, the allocator's "
                        f"fragmentation (default {DEFAULT_RESERVE_BYTES // 2**30} GiB, assumed; "
                        "give your site's)")
-    group.add_argument("--efficiency", type=float, default=DEFAULT_EFFICIENCY, metavar="E",
-                       help="share of the GPU's peak a step reaches, for --gpu (default "
-                       f"{DEFAULT_EFFICIENCY:g}, assumed)")
+    group.add_argument("--machine", metavar="NAME",
+                       help="the machine the step is priced on: " + ", ".join(PRESETS)
+                       + " (default: --gpu's DGX), or GPU:GPUS_PER_NODE:NVLINK_GBPS:"
+                       "NETWORK_GBPS (per GPU, one direction), e.g. H100:8:450:25")
+    group.add_argument("--efficiency", type=float, default=None, metavar="E",
+                       help="price each stage from its FLOPs alone at this share of the GPU's "
+                       "peak (e.g. 0.5), no messages (default: the machine's model: each "
+                       "kernel and message, GEMMs at the share fitted on a published run)")
     group.add_argument("--world-size", type=int, metavar="N",
                        help="GPUs in the job (default: from a torchrun / srun launcher in front "
                        "of the script, else tp x pp x cp, i.e. dp = 1)")
@@ -252,7 +258,7 @@ def select_on_model(args, argv: list[str], candidates):
 
     selection = select_pretrain(argv, gpu=args.gpu, world_size=args.world_size,
                                 gpu_memory=args.gpu_memory, efficiency=args.efficiency,
-                                candidates=candidates, reserve=args.reserve,
+                                machine=args.machine, candidates=candidates, reserve=args.reserve,
                                 search_recompute=getattr(args, "search_recompute", False),
                                 scale_out=getattr(args, "scale_out", 1))
     text = (json.dumps(selection_dict(selection), indent=1) if args.format == "json" else

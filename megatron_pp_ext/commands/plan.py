@@ -60,7 +60,7 @@ def run(args) -> int:
         raise ValueError(f"--world-size {args.world_size} must be >= 1")
     plan = plan_pretrain(argv, schedule=args.schedule, world_size=args.world_size,
                          gpu=args.gpu, gpu_memory=args.gpu_memory, efficiency=args.efficiency,
-                         reserve=args.reserve)
+                         reserve=args.reserve, machine=args.machine)
 
     # the costs, checked against the plan's p (a measured rank's share holds for that p only)
     given = cost_flags_given(args)

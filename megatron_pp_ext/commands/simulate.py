@@ -168,14 +168,14 @@ def _run_planned(args, argv: list[str]) -> int:
                          "a schedule file)")
     plan = plan_pretrain(argv, schedule=args.schedule, world_size=args.world_size,
                          gpu=args.gpu, gpu_memory=args.gpu_memory, efficiency=args.efficiency,
-                         reserve=args.reserve)
+                         reserve=args.reserve, machine=args.machine)
     args.ranks, args.microbatches = plan.pp, plan.m
     if args.costs or cost_flags_given(args):
         costs, unit, measured = costs_from_args(args)
         what = (describe_costs(costs, unit, measured, args.assume_split) if measured else
                 "the given costs")
     elif plan.stage_costs:
-        costs, unit, what = CostModel.for_stages(**plan.stage_costs), "s", plan.costs_text
+        costs, unit, what = plan.own_costs(), "s", plan.costs_text
     else:
         costs, unit, what = CostModel(), "t", "unit costs (give --gpu NAME to price each stage)"
     notes = (f"{plan.name}: p={plan.pp}, m={plan.m}, v={plan.v} from Megatron-LM's arguments; "

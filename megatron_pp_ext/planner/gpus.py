@@ -32,8 +32,6 @@ GPUS = {
                 "NVIDIA HGX B200 data sheet, per GPU: 2.25 PFLOPS bf16, 4.5 PFLOPS fp8 "
                 "dense, 180 GB", fp8_transpose=False),
 }
-#: The share of the peak a well-tuned GPT step reaches (model FLOPs utilization); assumed.
-DEFAULT_EFFICIENCY = 0.5
 #: What a training process holds on a GPU besides the model's tensors, held back from its
 #: memory in "fits" (``--reserve``): the CUDA context with cuBLAS and cuDNN (about 0.5 GiB
 #: on Hopper), NCCL's buffers (per communicator, NCCL_BUFFSIZE 4 MiB per channel per peer,
@@ -51,4 +49,4 @@ def gpu_named(name: str) -> Gpu:
     return GPUS[key]
 
 
-__all__ = ["DEFAULT_EFFICIENCY", "DEFAULT_RESERVE_BYTES", "GPUS", "Gpu", "gpu_named"]
+__all__ = ["DEFAULT_RESERVE_BYTES", "GPUS", "Gpu", "gpu_named"]

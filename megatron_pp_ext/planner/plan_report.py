@@ -40,9 +40,12 @@ def report(plan) -> str:  # a pretrain_plan.PretrainPlan
     lines += _rank_table(plan)
     lines += _cost_lines(plan)
     t = plan.timeline
-    step = f"{t.makespan * 1e3:.4g} ms" if t.unit == "s" else f"{t.makespan:.6g} t"
+    step = f"{plan.step_seconds * 1e3:.4g} ms" if t.unit == "s" else f"{t.makespan:.6g} t"
+    speed = plan.tokens_per_s_per_gpu
     lines.append(f"predicted step: {step}, bubble {100 * t.bubble_fraction:.2f}%"
+                 + (f", {speed:,.0f} tokens/s per GPU" if speed else "")
                  + (f" ({plan.costs_text})" if plan.costs_text else ""))
+    lines += _term_lines(plan)
     lines += [f"note: {note}" for note in plan.notes]
     return "\n".join(lines)
 
@@ -94,8 +97,24 @@ def _cost_lines(plan) -> list[str]:
         else:
             groups.append([s, s, text])
     stages = "; ".join(f"stage {a if a == b else f'{a}-{b}'} {text}" for a, b, text in groups)
-    return [f"costs per microbatch (ms; from FLOPs, {plan.gpu.name} at {plan.efficiency:g} of "
-            f"its peak): {stages}"]
+    return [f"costs per microbatch (ms; {plan.costs_text}): {stages}"]
+
+
+#: The step's terms as the report names them.
+TERM_LABELS = {"gemm": "GEMMs", "attention": "attention", "elementwise": "element-wise",
+               "tp": "TP messages", "cp": "CP ring", "ep": "EP all-to-all",
+               "bubble_and_p2p": "bubble and pipeline messages",
+               "dp": "data-parallel messages not overlapped", "optimizer": "optimizer"}
+
+
+def _term_lines(plan) -> list[str]:
+    """The busiest rank's step by term, in ms (a machine's model only)."""
+    terms = plan.step_terms() if plan.timeline.unit == "s" else None
+    if not terms:
+        return []
+    parts = [f"{label} {terms[key] * 1e3:.4g}" for key, label in TERM_LABELS.items()
+             if terms[key] > 0]
+    return [f"step on rank {terms['rank']} (the busiest), ms: " + ", ".join(parts)]
 
 
 __all__ = ["report"]

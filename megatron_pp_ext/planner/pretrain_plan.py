@@ -32,7 +32,9 @@ from ..runtime.memory import predicted_peak_bytes
 from ..schedules.validate import peak_activations
 from ..timeline import Timeline
 from .activation_model import ActivationEstimate, activation_estimate
-from .gpus import DEFAULT_EFFICIENCY, DEFAULT_RESERVE_BYTES, Gpu, gpu_named
+from .gpus import DEFAULT_RESERVE_BYTES, Gpu
+from .machines import machine_named
+from .step_terms import StepModel, rank_terms, step_model
 from ..integration.megatron_args import schedule_options_from_args
 from ..integration.model_chunks import model_chunks as _model_chunks
 from .model_shape import model_shape
@@ -103,6 +105,47 @@ class PretrainPlan:
     #: the recompute flags ``select --search-recompute`` planned this with (None: the
     #: arguments' own)
     recompute_flags: list[str] | None = None
+    #: the step priced on a machine by term (None: flat --efficiency, or no GPU)
+    step_model: StepModel | None = None
+
+    def per_step_seconds(self, rank: int) -> tuple[float, float]:
+        """(exposed data-parallel, optimizer) seconds of ``rank`` once per step (0 without a
+        machine's step model)."""
+        if self.step_model is None:
+            return 0.0, 0.0
+        return self.step_model.per_step(self.schedule, rank)
+
+    def own_costs(self) -> CostModel:
+        """The plan's own per-stage costs (and pipeline message time on a machine)."""
+        return _own_costs(self.stage_costs, self.step_model)
+
+    @property
+    def step_seconds(self) -> float:
+        """The predicted step: the pipeline's timeline, then the slowest rank's exposed
+        data-parallel messages and optimizer."""
+        if self.timeline.unit != "s":
+            return self.timeline.makespan
+        extra = max((sum(self.per_step_seconds(r)) for r in range(self.pp)), default=0.0)
+        return self.timeline.makespan + extra
+
+    @property
+    def tokens_per_s_per_gpu(self) -> float | None:
+        """The step's tokens over its predicted seconds, per GPU (None without seconds)."""
+        if self.timeline.unit != "s" or not self.step_seconds:
+            return None
+        tokens = self.global_batch * self.step_model.shape.seq if self.step_model else None
+        return None if tokens is None else tokens / self.step_seconds / self.world_size
+
+    def step_terms(self) -> dict[str, float] | None:
+        """The busiest rank's step in seconds by term (None without a machine's model)."""
+        if self.step_model is None:
+            return None
+        busy = [rank_terms(self.step_model, self.schedule, r, self.m) for r in range(self.pp)]
+        rank = max(range(self.pp), key=lambda r: busy[r].total)
+        terms = busy[rank].as_dict()
+        terms["bubble_and_p2p"] = self.timeline.makespan - busy[rank].total
+        terms["dp"], terms["optimizer"] = self.per_step_seconds(rank)
+        return {"rank": rank, **terms}
 
     @property
     def p(self) -> int:
@@ -158,7 +201,10 @@ class PretrainPlan:
             "reserve_bytes": self.memory[0].reserve if self.memory else None,
             "fits": [rank.fits for rank in self.memory],
             "headroom_bytes": [rank.headroom for rank in self.memory],
-            "predicted_step": self.timeline.makespan, "unit": self.timeline.unit,
+            "predicted_step": self.step_seconds, "unit": self.timeline.unit,
+            "pipeline_step": self.timeline.makespan, "step_terms_s": self.step_terms(),
+            "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
+            "machine": self.step_model.machine.name if self.step_model else None,
             "bubble_fraction": self.timeline.bubble_fraction,
         }
 
@@ -177,8 +223,9 @@ def plan_pretrain(argv: Sequence[str], schedule: str | None = None,
                   world_size: int | None = None, costs: CostModel | None = None,
                   unit: str = "t", costs_text: str = "", gpu: str | None = None,
                   gpu_memory: int | None = None,
-                  efficiency: float = DEFAULT_EFFICIENCY,
-                  reserve: int = DEFAULT_RESERVE_BYTES) -> PretrainPlan:
+                  efficiency: float | None = None,
+                  reserve: int = DEFAULT_RESERVE_BYTES,
+                  machine: str | None = None) -> PretrainPlan:
     """The plan for ``argv`` (a pretrain_gpt.py argument list, optionally behind its launcher,
     see :func:`split_launcher`) under ``schedule``, a name or a schedule file (.csv, .json;
     default: the arguments' ``--pipeline-schedule``, else Megatron's own: 1f1b, or interleaved
@@ -220,15 +267,20 @@ def plan_pretrain(argv: Sequence[str], schedule: str | None = None,
     if not shape.vocab:
         notes.append(shape.vocab_note)
     activations = activation_estimate(args, stages, shape)
-    device = gpu_named(gpu) if gpu else None
-    stage_costs = (per_stage_seconds(shape, stages, activations.recompute, device, efficiency,
-                                     recomputed_layers(args))
-                   if device else None)
+    on = machine_named(machine, gpu) if (machine or gpu) else None
+    device = on.gpu if on else None
+    model = None
+    if on and efficiency is None:
+        model = step_model(args, shape, stages, on, activations.recompute,
+                           recomputed_layers(args), sizes.dp, sizes.world_size)
+        stage_costs = model.stage_costs()
+    else:
+        stage_costs = (per_stage_seconds(shape, stages, activations.recompute, device,
+                                         efficiency, recomputed_layers(args))
+                       if device else None)
     if costs is None and stage_costs is not None:
-        costs, unit = CostModel.for_stages(**stage_costs), "s"
-        costs_text = costs_text or (
-            f"each stage's F, I, W from its FLOPs at {efficiency:g} of the {device.name}'s "
-            f"{'fp8' if shape.fp8 else 'bf16'} peak (assumed)")
+        costs, unit = _own_costs(stage_costs, model), "s"
+        costs_text = costs_text or _own_costs_text(model, device, efficiency, shape.fp8)
     budget = gpu_memory if gpu_memory is not None else (device.memory_bytes if device else None)
     if built is None:
         built = _synthesize(args, shape, stages, activations, sizes, v, stage_costs, budget,
@@ -245,7 +297,25 @@ def plan_pretrain(argv: Sequence[str], schedule: str | None = None,
         layout=layout, num_layers=num_layers, stages=stages, activations=activations,
         peak_in_flight=list(peak_activations(built)), memory=memory, timeline=timeline,
         static_rule=rule, stage_costs=stage_costs, gpu=device,
-        efficiency=efficiency if device else None, costs_text=costs_text, notes=notes)
+        efficiency=efficiency if device else None, costs_text=costs_text, notes=notes,
+        step_model=model)
+
+
+def _own_costs(stage_costs: dict, model: StepModel | None) -> CostModel:
+    """The plan's own costs: per stage, and the pipeline's message time on a machine."""
+    return CostModel.for_stages(**stage_costs,
+                                t_comm=model.pipeline_message if model else 0.0)
+
+
+def _own_costs_text(model: StepModel | None, device: Gpu | None, efficiency: float | None,
+                    fp8: bool) -> str:
+    precision = "fp8" if fp8 else "bf16"
+    if model is None:
+        return (f"each stage's F, I, W from its FLOPs at {efficiency:g} of the {device.name}'s "
+                f"{precision} peak (assumed)")
+    return (f"each stage's F, I, W from its kernels and messages on {model.machine.name}, "
+            f"GEMMs at {model.gemm_share:.3g} of the {precision} peak (fitted on "
+            f"{model.fitted_on})")
 
 
 def layout_of(name: str) -> str | None:

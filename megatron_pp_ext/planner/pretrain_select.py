@@ -25,7 +25,7 @@ from typing import Sequence
 
 from ..schedules import candidates_by_layout
 from ..units import human_bytes
-from .gpus import DEFAULT_EFFICIENCY, DEFAULT_RESERVE_BYTES
+from .gpus import DEFAULT_RESERVE_BYTES
 from .pretrain_args import derive_sizes, parse_pretrain_args, split_launcher
 from .pretrain_plan import PretrainPlan, plan_pretrain
 
@@ -52,14 +52,14 @@ class PretrainSelection:
 
 
 def select_pretrain(argv: Sequence[str], gpu: str | None, world_size: int | None = None,
-                    gpu_memory: int | None = None, efficiency: float = DEFAULT_EFFICIENCY,
+                    gpu_memory: int | None = None, efficiency: float | None = None,
                     candidates: Sequence[str] | None = None,
                     reserve: int = DEFAULT_RESERVE_BYTES, search_recompute: bool = False,
-                    scale_out: int = 1) -> PretrainSelection:
+                    scale_out: int = 1, machine: str | None = None) -> PretrainSelection:
     """Plan every candidate (default: every registered schedule) for ``argv`` on ``gpu``
     (its FLOPs price the stages; its memory, or ``gpu_memory`` bytes, is the budget) and rank
     them. ValueError when the budget or the costs are unknown."""
-    if gpu is None:
+    if gpu is None and machine is None:
         raise ValueError("select with Megatron-LM's arguments prices each stage from its FLOPs: "
                          "give --gpu NAME (H100, H200, B200), and --gpu-memory SIZE for "
                          "another capacity")
@@ -87,7 +87,8 @@ def select_pretrain(argv: Sequence[str], gpu: str | None, world_size: int | None
 
         def planned(candidate_argv):
             return plan_pretrain(candidate_argv, schedule=name, world_size=world_size, gpu=gpu,
-                                 gpu_memory=gpu_memory, efficiency=efficiency, reserve=reserve)
+                                 gpu_memory=gpu_memory, efficiency=efficiency, reserve=reserve,
+                                 machine=machine)
 
         try:
             plan = planned(chunked)
@@ -98,7 +99,7 @@ def select_pretrain(argv: Sequence[str], gpu: str | None, world_size: int | None
             continue
         fits = all(rank.fits for rank in plan.memory)
         (selection.ranked if fits else selection.too_big).append(plan)
-    selection.ranked.sort(key=lambda plan: plan.timeline.makespan)
+    selection.ranked.sort(key=lambda plan: plan.step_seconds)
     selection.too_big.sort(key=lambda plan: max(rank.total for rank in plan.memory))
     return selection
 
@@ -221,20 +222,19 @@ def selection_report(selection: PretrainSelection) -> str:
     lines = []
     if plans:
         first = plans[0]
-        lines += [f"p={first.p} m={first.m} (tp {first.tp}, dp {first.dp}); each stage priced "
-                  f"from its FLOPs at {first.efficiency:g} of the {first.gpu.name}'s peak; "
-                  f"budget {human_bytes(first.memory[0].budget)} per rank less a "
+        lines += [f"p={first.p} m={first.m} (tp {first.tp}, dp {first.dp}); "
+                  f"{first.costs_text}; budget {human_bytes(first.memory[0].budget)} per rank less a "
                   f"{human_bytes(first.memory[0].reserve)} reserve (--reserve), for weights, "
                   "gradients, optimizer state and activations", ""]
     searched = any(plan.recompute_flags is not None for plan in plans)
     header = ("#", "schedule", "v") + (("recompute",) if searched else ()) + (
         "step", "vs best", "bubble", "most bytes on a rank", "fits")
-    best = selection.best.timeline.makespan if selection.best else None
+    best = selection.best.step_seconds if selection.best else None
     fitting = len(selection.ranked)
     rows = [(str(i + 1) if i < fitting else "-", plan.name, str(plan.v))
             + ((recompute_label(plan.recompute_flags or []),) if searched else ())
-            + (f"{plan.timeline.makespan * 1e3:.5g} ms",
-               f"{plan.timeline.makespan / best:.3f}" if best else "-",
+            + (f"{plan.step_seconds * 1e3:.5g} ms",
+               f"{plan.step_seconds / best:.3f}" if best else "-",
                f"{100 * plan.timeline.bubble_fraction:.1f}%",
                human_bytes(max(rank.total for rank in plan.memory)),
                "yes" if i < fitting else "no") for i, plan in enumerate(plans)]
@@ -253,7 +253,7 @@ def selection_report(selection: PretrainSelection) -> str:
 
 def selection_dict(selection: PretrainSelection) -> dict:
     def row(plan: PretrainPlan) -> dict:
-        return {"schedule": plan.name, "v": plan.v, "predicted_step_s": plan.timeline.makespan,
+        return {"schedule": plan.name, "v": plan.v, "predicted_step_s": plan.step_seconds,
                 "bubble_fraction": plan.timeline.bubble_fraction,
                 "total_bytes": [rank.total for rank in plan.memory],
                 "fits": [rank.fits for rank in plan.memory],
