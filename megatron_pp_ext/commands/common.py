@@ -212,12 +212,11 @@ def activation_of(args, measured, required: bool = True) -> tuple:
 def add_megatron_args(parser, what: str) -> None:
     """A Megatron-LM command line after ``--`` (``pretrain_gpt.py``'s arguments, optionally
     behind its launcher) and what prices and holds it: ``--gpu``, ``--gpu-memory``,
-    ``--efficiency``, ``--world-size``; the same in plan, select and simulate."""
+    ``--machine``, ``--efficiency``, ``--world-size``; the same in plan, select and simulate."""
     group = parser.add_argument_group("a Megatron-LM command line (after --)", what)
     group.add_argument("--gpu", metavar="NAME", type=str.upper, choices=sorted(GPUS),
-                       help="price each stage's F, I, W from its FLOPs on this GPU ("
-                       + ", ".join(GPUS) + ": the data sheet's dense peak) at --efficiency, "
-                       "and hold each rank's bytes to its memory")
+                       help="price each stage's F, I, W on this GPU's DGX (" + ", ".join(GPUS)
+                       + "; see --machine) and hold each rank's bytes to its memory")
     group.add_argument("--gpu-memory", type=_size, metavar="SIZE",
                        help="each rank's memory, e.g. 80GiB (default: --gpu's)")
     group.add_argument("--reserve", type=_size, default=DEFAULT_RESERVE_BYTES, metavar="SIZE",
