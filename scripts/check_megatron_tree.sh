@@ -43,13 +43,15 @@ echo "check_megatron_tree.sh: $tree ($describe), megatron-core $version"
 workers=$(nproc 2>/dev/null || echo 2)
 [ "$workers" -le 4 ] || workers=4
 rc=0
+# tee to the open stderr (not /dev/stderr, which opens the file again: with `> log 2>&1` that
+# truncates the log under the other writer)
 window=$(.venv/bin/python -m pytest -q -n "$workers" --dist loadscope --no-loadscope-reorder \
-  -m release_window "$@" tests 2>&1 | tee /dev/stderr | tail -n 1) || rc=1
+  -m release_window "$@" tests 2>&1 | tee >(cat >&2) | tail -n 1) || rc=1
 # patches/pretrain_gpt_core_r0.19.0.patch is for that branch's pretrain_gpt.py alone: elsewhere
 # only scripts/pretrain_gpt_pp.py (the "wrapper" cases) is checked
 only=()
 case "$version" in 0.19.*) ;; *) only=(-k wrapper) ;; esac
 scripts=$(MEGATRON_LM_PATH="$tree" .venv/bin/python -m pytest -q "${only[@]}" "$@" tests_megatron_lm 2>&1 \
-  | tee /dev/stderr | tail -n 1) || rc=1
+  | tee >(cat >&2) | tail -n 1) || rc=1
 echo "check_megatron_tree.sh: $describe | megatron-core $version | window: $window | scripts: $scripts"
 exit "$rc"
