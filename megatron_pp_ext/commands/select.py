@@ -49,6 +49,11 @@ def register(subparsers) -> None:
                         help="with -- ARGS: plan each candidate at the cheapest activation "
                         "recompute that fits (none, selective, full of the first n layers of "
                         "each chunk, of every layer), priced from the recomputed FLOPs")
+    parser.add_argument("--search-parallelism", action="store_true",
+                        help="with -- ARGS, --world-size N and --gpu (or --machine): search tp, "
+                        "pp, cp, ep and the micro batch too (every split of N GPUs Megatron "
+                        "accepts), then every schedule and recompute on the fastest; prints "
+                        "the best configurations and the flags to set and drop")
     parser.add_argument("--scale-out", type=int, default=1, metavar="N",
                         help="with -- ARGS: the same model at N times the data-parallel size "
                         "(the global batch fixed: N times fewer microbatches per pipeline)")
@@ -126,5 +131,38 @@ def render_text(selection: Selection, unit: str = "t", activation_from: str = "g
 
 def run_pretrain(args, argv: list[str], candidates) -> int:
     """``select -- <pretrain_gpt.py args>``: every candidate planned on the model."""
+    if args.search_parallelism:
+        return run_parallel_search(args, argv, candidates)
     sys.stdout.write(select_on_model(args, argv, candidates)[1] + "\n")
     return 0
+
+
+def run_parallel_search(args, argv: list[str], candidates) -> int:
+    """``select --search-parallelism -- ARGS``: tp / pp / cp / ep / micro batch too."""
+    from ..planner.parallel_search import search_parallelism
+    from ..planner.parallel_search_report import search_dict, search_report
+
+    if args.scale_out != 1 or args.search_recompute:
+        raise ValueError("--search-parallelism searches the recompute itself and plans the "
+                         "world size given: drop --scale-out / --search-recompute")
+    search = search_parallelism(argv, gpu=args.gpu, world_size=args.world_size,
+                                machine=args.machine, gpu_memory=args.gpu_memory,
+                                reserve=args.reserve, candidates=candidates,
+                                progress=_progress_line(sys.stderr))
+    if sys.stderr.isatty():
+        sys.stderr.write("\r" + " " * 100 + "\r")
+    text = (json.dumps(search_dict(search, argv), indent=1) if args.format == "json" else
+            search_report(search, argv))
+    sys.stdout.write(text + "\n")
+    return 0
+
+
+def _progress_line(stream):
+    """One line rewritten in place on a terminal; elsewhere a line per pass."""
+    def show(text: str) -> None:
+        if stream.isatty():
+            stream.write("\r" + text[:100].ljust(100))
+        elif not text.startswith("screening") or text.startswith("screening 1/"):
+            stream.write(text + "\n")
+        stream.flush()
+    return show

@@ -35,7 +35,7 @@ _VIRTUAL_FLAGS = ("--num-virtual-stages-per-pipeline-rank",
 
 
 #: Megatron's recompute flags, each with its value when it takes one
-_RECOMPUTE_FLAGS = {"--recompute-granularity": 1, "--recompute-method": 1,
+RECOMPUTE_FLAGS = {"--recompute-granularity": 1, "--recompute-method": 1,
                     "--recompute-num-layers": 1, "--recompute-activations": 0}
 
 
@@ -83,7 +83,7 @@ def select_pretrain(argv: Sequence[str], gpu: str | None, world_size: int | None
     selection = PretrainSelection([], [], argv=argv)
     for name, chunks in ((n, c) for n in names
                          for c in _chunks_for(n, layouts, interleaved_chunks)):
-        chunked = _with_chunks(argv, chunks)
+        chunked = with_chunks(argv, chunks)
 
         def planned(candidate_argv):
             return plan_pretrain(candidate_argv, schedule=name, world_size=world_size, gpu=gpu,
@@ -116,31 +116,59 @@ def recompute_settings(layers_per_chunk: int) -> list[list[str]]:
 
 def _cheapest_recompute_that_fits(plan, argv, planned):
     """The candidate at the first recompute setting (cheapest first) whose every rank fits,
-    else at the one that holds the fewest bytes (the last), with its flags."""
+    else at the one that holds the fewest bytes (the last), with its flags. The block counts
+    are bisected: recomputing more of a chunk's layers never holds more bytes."""
     base, given = _split_recompute(argv)
-    for flags in recompute_settings(plan.layers_per_stage):
-        plan = plan if not flags and not given else planned(base + flags)  # none: planned
-        plan.recompute_flags = flags
-        if all(rank.fits for rank in plan.memory):
-            break
-    return plan
+
+    def at(flags):
+        tried = plan if not flags and not given else planned(base + flags)  # none: planned
+        tried.recompute_flags = flags
+        return tried
+
+    settings = recompute_settings(plan.layers_per_stage)
+    for flags in settings[:2]:  # none, selective
+        tried = at(flags)
+        if _fits(tried):
+            return tried
+    cheapest = at(settings[-1])  # every layer: the fewest bytes
+    blocks, low, high = settings[2:-1], 0, len(settings) - 3  # blocks[high:] fit, or none
+    if not _fits(cheapest):
+        return cheapest
+    while low < high:
+        middle = (low + high) // 2
+        tried = at(blocks[middle])
+        if _fits(tried):
+            cheapest, high = tried, middle
+        else:
+            low = middle + 1
+    return cheapest
+
+
+def _fits(plan) -> bool:
+    return all(rank.fits for rank in plan.memory)
 
 
 def _split_recompute(argv: list[str]) -> tuple[list[str], list[str]]:
     """(``argv`` without Megatron's recompute flags, those flags with their values)."""
-    rest, recompute, skip = [], [], 0
+    return split_flags(argv, RECOMPUTE_FLAGS)
+
+
+def split_flags(argv: list[str], arity: dict[str, int]) -> tuple[list[str], list[str]]:
+    """(``argv`` without the flags named in ``arity`` (each with its count of values, or
+    ``--flag=value``), those flags with their values)."""
+    rest, taken, skip = [], [], 0
     for token in argv:
         if skip:
             skip -= 1
-            recompute.append(token)
+            taken.append(token)
             continue
         name = token.split("=", 1)[0]
-        if name in _RECOMPUTE_FLAGS:
-            skip = _RECOMPUTE_FLAGS[name] if "=" not in token else 0
-            recompute.append(token)
+        if name in arity:
+            skip = arity[name] if "=" not in token else 0
+            taken.append(token)
             continue
         rest.append(token)
-    return rest, recompute
+    return rest, taken
 
 
 def recompute_label(flags: list[str]) -> str:
@@ -173,7 +201,7 @@ def flags_to_drop(selection: PretrainSelection, plan: PretrainPlan) -> list[str]
     drop = [flag for flag in _VIRTUAL_FLAGS if flag in given] if plan.v == 1 else []
     if plan.recompute_flags is not None:
         kept = set(plan.recompute_flags)
-        drop += [flag for flag in _RECOMPUTE_FLAGS if flag in given and flag not in kept]
+        drop += [flag for flag in RECOMPUTE_FLAGS if flag in given and flag not in kept]
     return drop
 
 
@@ -194,7 +222,7 @@ def _chunks_for(name: str, layouts: dict,
     return ways or interleaved or (None,)
 
 
-def _with_chunks(argv: list[str], chunks: int | None) -> list[str]:
+def with_chunks(argv: list[str], chunks: int | None) -> list[str]:
     """``argv`` with its virtual-stage flags set for ``chunks`` per rank (None: unchanged,
     at least 2). A layout string is left alone: it fixes the chunks."""
     if chunks is None and not any(flag in argv for flag in _VIRTUAL_FLAGS):
@@ -268,6 +296,6 @@ def selection_dict(selection: PretrainSelection) -> dict:
             "excluded": [{"schedule": n, "reason": why} for n, why in selection.excluded]}
 
 
-__all__ = ["PretrainSelection", "command_line_changes", "flags_to_drop", "flags_to_set",
-           "recompute_label", "recompute_settings", "select_pretrain", "selection_dict",
-           "selection_report"]
+__all__ = ["PretrainSelection", "RECOMPUTE_FLAGS", "command_line_changes", "flags_to_drop",
+           "flags_to_set", "recompute_label", "recompute_settings", "select_pretrain",
+           "selection_dict", "selection_report", "split_flags", "with_chunks"]
