@@ -11,6 +11,8 @@ from .pretrain_select import RECOMPUTE_FLAGS, recompute_label
 
 #: rows the text shows (the arguments' own is shown wherever it ranks)
 SHOWN = 10
+#: steps within this share of each other are a tie
+TIE = 5e-4
 
 
 def row_flags(row: SearchRow) -> list[str]:
@@ -23,11 +25,22 @@ def row_flags(row: SearchRow) -> list[str]:
 
 def flags_to_drop(row: SearchRow, argv: list[str]) -> list[str]:
     """The arguments' parallel, schedule, layout and recompute flags (by name) the row runs
-    without."""
+    without (a size given as 1, Megatron's default, changes nothing and stays)."""
     kept = {token for token in row_flags(row) if token.startswith("--")}
-    given = [token.split("=", 1)[0] for token in argv]
-    return [flag for flag in dict.fromkeys(given)
-            if (flag in PARALLEL_FLAGS or flag in RECOMPUTE_FLAGS) and flag not in kept]
+    given = {}
+    for i, token in enumerate(argv):
+        name, _, value = token.partition("=")
+        if name.startswith("--"):
+            given.setdefault(name, value or (argv[i + 1] if i + 1 < len(argv) else ""))
+    return [flag for flag, value in given.items()
+            if (flag in PARALLEL_FLAGS or flag in RECOMPUTE_FLAGS) and flag not in kept
+            and not (flag in _SIZES and value == "1")]
+
+
+#: the sizes whose 1 is Megatron's default
+_SIZES = ("--context-parallel-size", "--expert-model-parallel-size",
+          "--expert-tensor-parallel-size", "--tensor-model-parallel-size",
+          "--pipeline-model-parallel-size")
 
 
 def search_report(search: ParallelSearch, argv: list[str]) -> str:
@@ -80,6 +93,9 @@ def _given_line(search: ParallelSearch) -> str:
         return f"{label} does not fit: some rank is over the GPU's memory"
     if rank == 1:
         return f"{label} is the fastest the search found"
+    if given.step_seconds <= search.best.step_seconds * (1 + TIE):
+        return (f"{label} is as fast as the fastest the search found (those above it hold "
+                "fewer bytes)")
     return (f"{label} ranks {rank} of {len(search.ranked)}; the best predicts "
             f"{100 * (given.step_seconds / search.best.step_seconds - 1):.1f}% more tokens/s")
 
