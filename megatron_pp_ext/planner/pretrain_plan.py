@@ -269,15 +269,7 @@ def plan_pretrain(argv: Sequence[str], schedule: str | None = None,
     activations = activation_estimate(args, stages, shape)
     on = machine_named(machine, gpu) if (machine or gpu) else None
     device = on.gpu if on else None
-    model = None
-    if on and efficiency is None:
-        model = step_model(args, shape, stages, on, activations.recompute,
-                           recomputed_layers(args), sizes.dp, sizes.world_size)
-        stage_costs = model.stage_costs()
-    else:
-        stage_costs = (per_stage_seconds(shape, stages, activations.recompute, device,
-                                         efficiency, recomputed_layers(args))
-                       if device else None)
+    model, stage_costs = _priced(args, shape, stages, activations, sizes, on, efficiency)
     if costs is None and stage_costs is not None:
         costs, unit = _own_costs(stage_costs, model), "s"
         costs_text = costs_text or _own_costs_text(model, device, efficiency, shape.fp8)
@@ -299,6 +291,19 @@ def plan_pretrain(argv: Sequence[str], schedule: str | None = None,
         static_rule=rule, stage_costs=stage_costs, gpu=device,
         efficiency=efficiency if device else None, costs_text=costs_text, notes=notes,
         step_model=model)
+
+
+def _priced(args, shape, stages, activations, sizes, on, efficiency):
+    """(the machine's step model or None, each stage's F, I, W seconds or None): on a machine
+    by named term, or with ``efficiency`` from the FLOPs alone at that share of the peak."""
+    if on and efficiency is None:
+        model = step_model(args, shape, stages, on, activations.recompute,
+                           recomputed_layers(args), sizes.dp, sizes.world_size)
+        return model, model.stage_costs()
+    if on is None:
+        return None, None
+    return None, per_stage_seconds(shape, stages, activations.recompute, on.gpu, efficiency,
+                                   recomputed_layers(args))
 
 
 def _own_costs(stage_costs: dict, model: StepModel | None) -> CostModel:
