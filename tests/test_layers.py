@@ -40,6 +40,10 @@ DEFERRED: dict[tuple[str, str], str] = {
         "Megatron-LM's argument parser: only `simulate -- <pretrain_gpt.py args>` reads it",
     ("commands.common", "planner.pretrain_select"):
         "Megatron-LM's argument parser: only `select/compare -- <pretrain_gpt.py args>` read it",
+    ("commands.select", "planner.parallel_search"):
+        "Megatron-LM's argument parser: only `select --search-parallelism` reads it",
+    ("commands.select", "planner.parallel_search_report"):
+        "Megatron-LM's argument parser: only `select --search-parallelism` reads it",
     ("commands.train", "train.launcher"): "torch and Megatron: only `train` runs them",
     ("commands.verify", "verify.launch"): "torch and Megatron: only `verify` runs them",
     ("integration.megatron_args", "integration.install"):

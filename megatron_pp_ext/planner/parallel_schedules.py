@@ -17,9 +17,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from ..schedules import candidates_by_layout
 from .parallel_configs import Parallelism, SearchRow, exact_row, with_batch
 from .pretrain_plan import PretrainPlan, plan_pretrain
-from .pretrain_select import (RECOMPUTE_FLAGS, select_pretrain, split_flags, with_chunks)
+from .pretrain_select import RECOMPUTE_FLAGS, select_pretrain, split_flags, with_chunks
 
 #: multiples of pp a split of more microbatches is planned at (the step extended from them)
 ROUNDS = (4, 6)
@@ -67,8 +68,6 @@ def _candidates(par: Parallelism, candidates: Sequence[str] | None) -> list[str]
         return ["1f1b"]
     if candidates:
         return list(candidates)
-    from ..schedules import candidates_by_layout
-
     names = dict.fromkeys(n for group in candidates_by_layout().values() for n in group)
     return [name for name in names if name != "gpipe"]
 
