@@ -1,5 +1,5 @@
-"""Units for people: byte counts in binary units. No torch (the simulator, the renderers and
-the runtime all print bytes)."""
+"""Units for people: byte counts in binary units, tables in aligned columns. No torch (the
+simulator, the renderers and the runtime all print bytes)."""
 
 from __future__ import annotations
 
@@ -32,3 +32,10 @@ def human_bytes(num: float) -> str:
             return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
         value /= 1024
     return f"{num} B"
+
+
+def aligned_columns(rows: list) -> list[str]:
+    """Rows of text cells (the header first) as lines, each column as wide as its widest cell,
+    two spaces apart."""
+    widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
+    return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]

@@ -16,6 +16,7 @@ from ..analysis.costs import ACTIVATION_UNIT, format_counts, format_time
 from ..analysis.render import render_html
 from ..analysis.select import MiB, format_bytes, select_schedules
 from ..schedules import REGISTRY, get_spec, schedule_names
+from ..units import aligned_columns
 from .hints import warn_p_exceeds_m
 from .common import (COSTS_HELP, add_cost_args, add_megatron_args, add_size_args, costs_from_args,
                      describe_costs, megatron_argv, select_on_model, write_out_file)
@@ -190,8 +191,6 @@ def table(p: int, m: int, unit: str, rows: list[dict], with_bytes: bool) -> str:
         if with_bytes:
             line.append(format_bytes(row["peak_bytes"]))
         cells.append(line)
-    widths = [max(len(r[c]) for r in cells) for c in range(len(header))]
-    lines = [f"p={p} m={m}: step time in {what}"]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells]
+    lines = [f"p={p} m={m}: step time in {what}"] + aligned_columns(cells)
     lines.append(f"({ACTIVATION_UNIT})")
     return "\n".join(lines)

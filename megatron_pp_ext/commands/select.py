@@ -9,6 +9,7 @@ import sys
 from ..analysis.costs import ACTIVATION_UNIT, format_counts, format_time
 from ..analysis.select import Selection, format_bytes, select_schedules
 from ..schedules import schedule_names
+from ..units import aligned_columns
 from .hints import warn_p_exceeds_m
 from .common import (COSTS_HELP, activation_of, add_cost_args, add_megatron_args,
                      add_memory_args, add_size_args, budget_of, costs_from_args, describe_costs,
@@ -116,10 +117,7 @@ def render_text(selection: Selection, unit: str = "t", activation_from: str = "g
              format_counts(selection.peak_activations_v1(r.name, r.chunks)))
             for i, r in enumerate(selection.ranked)
         ]
-        widths = [max(len(h), *(len(row[c]) for row in rows)) for c, h in enumerate(header)]
-        lines.append("  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip())
-        lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip()
-                  for row in rows]
+        lines += aligned_columns([header, *rows])
         lines.append(f"({ACTIVATION_UNIT})")
     else:
         lines.append("no schedule fits the budget")

@@ -32,6 +32,15 @@ class Machine:
         return self.nvlink_bytes_per_s if group_span <= self.gpus_per_node else (
             self.network_bytes_per_s)
 
+    def ring_bytes_per_s(self, group: int, stride: int) -> float:
+        """The bandwidth of a ring over ``group`` ranks ``stride`` apart: NVLink's inside a
+        node, else the NIC's times the group's ranks per node (NCCL's rings spread over the
+        node's NICs), at most NVLink's."""
+        if group * stride <= self.gpus_per_node:
+            return self.nvlink_bytes_per_s
+        per_node = max(1, self.gpus_per_node // stride)
+        return min(self.nvlink_bytes_per_s, per_node * self.network_bytes_per_s)
+
 
 #: HBM bandwidths from the same data sheets as gpus.GPUS.
 _HBM = {"H100": 3.35e12, "H200": 4.8e12, "B200": 8.0e12}

@@ -65,7 +65,7 @@ class SearchRow:
 
     @property
     def most_bytes(self) -> int:
-        return max(rank.total for rank in self.plan.memory)
+        return self.plan.most_bytes
 
 
 def exact_row(parallelism: Parallelism, plan: PretrainPlan,

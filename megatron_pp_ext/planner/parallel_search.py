@@ -140,7 +140,7 @@ def _screen(argv: list[str], configs: list[Parallelism], plan_one, progress, wor
                 plan = plan_one(with_parallelism(shrunk, par) + recompute, "1f1b")
             except ValueError:  # a split Megatron refuses (layers over pp, ...)
                 break
-            if all(rank.fits for rank in plan.memory):
+            if plan.fits:
                 found.append((_extended_key(plan, m - planned_m), par))
                 break
             if any(rank.static + rank.reserve > rank.budget for rank in plan.memory):
@@ -160,7 +160,7 @@ def _extended_key(plan: PretrainPlan, more: int) -> tuple[float, int]:
 
 def _speed_key(plan: PretrainPlan) -> tuple[float, int]:
     """Fastest first; of equal steps, the fewest bytes on the most loaded rank."""
-    return plan.step_seconds, max(rank.total for rank in plan.memory)
+    return plan.step_seconds, plan.most_bytes
 
 
 def _fastest_layouts(screened: list[tuple[tuple, Parallelism]]) -> list[Parallelism]:
@@ -188,7 +188,7 @@ def _add_given(search: ParallelSearch, argv: list[str], plan_one, args) -> None:
     search.ranked = [row for row in search.ranked if _row_key(row.parallelism, row.plan) != key]
     selection = PretrainSelection([plan], [], argv=argv)
     search.given_row = exact_row(search.given, plan, selection)
-    if all(rank.fits for rank in plan.memory):
+    if plan.fits:
         search.ranked.append(search.given_row)
 
 

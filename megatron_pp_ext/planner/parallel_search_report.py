@@ -3,7 +3,7 @@ the arguments' own ranks, and the best's changes to the command line."""
 
 from __future__ import annotations
 
-from ..units import human_bytes
+from ..units import aligned_columns, human_bytes
 from .parallel_configs import PARALLEL_FLAGS, SearchRow
 from .parallel_schedules import ROUNDS
 from .parallel_search import ParallelSearch
@@ -52,9 +52,7 @@ def search_report(search: ParallelSearch, argv: list[str]) -> str:
     shown = [(i, row) for i, row in enumerate(search.ranked)
              if i < SHOWN or row is search.given_row]
     rows = [_cells(i, row, best, row is search.given_row) for i, row in shown]
-    widths = [max([len(h)] + [len(r[c]) for r in rows]) for c, h in enumerate(header)]
-    lines.append("  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip())
-    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    lines += aligned_columns([header, *rows])
     if any(row.extended for _, row in shown):
         lines.append(f"~: planned at {ROUNDS[-1]} x pp microbatches and extended to the job's "
                      "(the steady state's step per microbatch); `plan` on the row's flags gives "

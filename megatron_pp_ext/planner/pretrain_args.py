@@ -87,9 +87,7 @@ def _megatron_parse_args():
             # without a GPU, not compiling Megatron's fusions: 2.8 s of CPU (no model runs here)
             import_megatron("megatron.training.arguments")
     module = sys.modules["megatron.training.arguments"]
-    build = getattr(module, "add_megatron_arguments", None)
-    if build is None:  # a Megatron without it: its parse_args as it is
-        return lambda: module.parse_args(extra_args_provider=add_pipeline_schedule_args)
+    build = module.add_megatron_arguments  # 0.17 to main: parse_args builds its parser with it
 
     def parse_args():
         with _BUILDING:  # the module's function is swapped for the call: one caller at a time

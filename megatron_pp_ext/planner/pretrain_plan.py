@@ -169,6 +169,16 @@ class PretrainPlan:
         return len({stage.decoder for stage in self.stages}) == 1
 
     @property
+    def fits(self) -> bool:
+        """Every rank's bytes and reserve within its budget."""
+        return all(rank.fits for rank in self.memory)
+
+    @property
+    def most_bytes(self) -> int:
+        """The most loaded rank's bytes (activations at the peak and static)."""
+        return max(rank.total for rank in self.memory)
+
+    @property
     def peak_bytes(self) -> list[int]:
         """Per rank, peak activation bytes."""
         return [rank.activation for rank in self.memory]

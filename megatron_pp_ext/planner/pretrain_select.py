@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from ..schedules import candidates_by_layout
-from ..units import human_bytes
+from ..units import aligned_columns, human_bytes
 from .gpus import DEFAULT_RESERVE_BYTES
 from .pretrain_args import derive_sizes, parse_pretrain_args, split_launcher
 from .pretrain_plan import PretrainPlan, plan_pretrain
@@ -97,10 +97,9 @@ def select_pretrain(argv: Sequence[str], gpu: str | None, world_size: int | None
         except ValueError as exc:
             selection.excluded.append((name, str(exc)))
             continue
-        fits = all(rank.fits for rank in plan.memory)
-        (selection.ranked if fits else selection.too_big).append(plan)
+        (selection.ranked if plan.fits else selection.too_big).append(plan)
     selection.ranked.sort(key=lambda plan: plan.step_seconds)
-    selection.too_big.sort(key=lambda plan: max(rank.total for rank in plan.memory))
+    selection.too_big.sort(key=lambda plan: plan.most_bytes)
     return selection
 
 
@@ -128,24 +127,20 @@ def _cheapest_recompute_that_fits(plan, argv, planned):
     settings = recompute_settings(plan.layers_per_stage)
     for flags in settings[:2]:  # none, selective
         tried = at(flags)
-        if _fits(tried):
+        if tried.fits:
             return tried
     cheapest = at(settings[-1])  # every layer: the fewest bytes
     blocks, low, high = settings[2:-1], 0, len(settings) - 3  # blocks[high:] fit, or none
-    if not _fits(cheapest):
+    if not cheapest.fits:
         return cheapest
     while low < high:
         middle = (low + high) // 2
         tried = at(blocks[middle])
-        if _fits(tried):
+        if tried.fits:
             cheapest, high = tried, middle
         else:
             low = middle + 1
     return cheapest
-
-
-def _fits(plan) -> bool:
-    return all(rank.fits for rank in plan.memory)
 
 
 def _split_recompute(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -229,17 +224,7 @@ def with_chunks(argv: list[str], chunks: int | None) -> list[str]:
         chunks = 2
     if chunks is None or any(a.startswith("--pipeline-model-parallel-layout") for a in argv):
         return argv
-    out, skip = [], False
-    for token in argv:
-        if skip:
-            skip = False
-            continue
-        if token in _VIRTUAL_FLAGS:
-            skip = True
-            continue
-        if token.split("=", 1)[0] in _VIRTUAL_FLAGS:
-            continue
-        out.append(token)
+    out, _ = split_flags(argv, dict.fromkeys(_VIRTUAL_FLAGS, 1))
     return out + (["--num-virtual-stages-per-pipeline-rank", str(chunks)] if chunks > 1 else [])
 
 
@@ -264,11 +249,9 @@ def selection_report(selection: PretrainSelection) -> str:
             + (f"{plan.step_seconds * 1e3:.5g} ms",
                f"{plan.step_seconds / best:.3f}" if best else "-",
                f"{100 * plan.timeline.bubble_fraction:.1f}%",
-               human_bytes(max(rank.total for rank in plan.memory)),
+               human_bytes(plan.most_bytes),
                "yes" if i < fitting else "no") for i, plan in enumerate(plans)]
-    widths = [max([len(h)] + [len(row[c]) for row in rows]) for c, h in enumerate(header)]
-    lines.append("  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip())
-    lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    lines += aligned_columns([header, *rows])
     if not selection.ranked:
         lines.append("no schedule fits: see `plan` for each rank's bytes")
     else:

@@ -10,8 +10,7 @@ the gradients (2 bytes with ``--grad-reduce-in-bf16``, else 4) and all-gathers t
 ``--overlap-grad-reduce`` a chunk's reduce-scatter runs beside the rest of the step: exposed is
 what the last chunk's (1/v of the rank's) leaves after that chunk's last backward; with
 ``--overlap-param-gather`` the all-gather likewise before the first chunk's first forward. A
-group whose ranks are on several nodes runs at the NIC's bandwidth times its ranks per node
-(NCCL's rings spread over the node's NICs), at most NVLink's.
+group on several nodes runs at ``Machine.ring_bytes_per_s``.
 
 **Optimizer**: Adam over the rank's shard: 32 bytes per parameter read and written (the fp32
 master, two moments, the gradient, the 16-bit parameter) at the memory bandwidth.
@@ -99,8 +98,8 @@ class StepModel:
         grad = 2 if _flag(args, "grad_reduce_in_bf16") else 4
         param = 1 if _flag(args, "fp8_param_gather") else 2
         distributed = _flag(args, "use_distributed_optimizer")
-        dense_rate = self._rate(self.dp * shape.cp, shape.tp)
-        expert_rate = self._rate(self._expert_dp(), shape.ep * shape.etp)
+        dense_rate = self.machine.ring_bytes_per_s(self.dp * shape.cp, shape.tp)
+        expert_rate = self.machine.ring_bytes_per_s(self._expert_dp(), shape.ep * shape.etp)
         reduce = gather = 0.0
         for params, (group, rate) in ((dense, (self.dp * shape.cp, dense_rate)),
                                       (expert, (self._expert_dp(), expert_rate))):
@@ -116,13 +115,6 @@ class StepModel:
         if _flag(args, "overlap_param_gather"):
             gather = max(0.0, gather / v - first.f.total)
         return reduce + gather
-
-    def _rate(self, group: int, stride: int) -> float:
-        machine = self.machine
-        if group * stride <= machine.gpus_per_node:
-            return machine.nvlink_bytes_per_s
-        per_node = max(1, machine.gpus_per_node // stride)
-        return min(machine.nvlink_bytes_per_s, per_node * machine.network_bytes_per_s)
 
 
 def _flag(args: Any, name: str) -> bool:
